@@ -1,0 +1,198 @@
+"""The one validated configuration of the guard (pure: standard library only).
+
+Every threshold the guard uses lives here, with the rule its default comes from. Build it from
+Python (``GuardConfig(headroom_frac=0.2)``) or from a TOML file (``GuardConfig.from_toml(path)``);
+unknown keys and out-of-range values raise :class:`~raytrain_guard.errors.ConfigError` naming
+the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from raytrain_guard.errors import ConfigError
+from raytrain_guard.units import GiB
+
+try:  # Python 3.11+
+    import tomllib as _toml
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as _toml  # type: ignore[no-redef]
+
+
+def _doc(default: Any, text: str, lo: float | None = None, hi: float | None = None, *,
+         lo_open: bool = False) -> Any:
+    """A field with its default, its docstring and its valid range (checked in __post_init__)."""
+    return field(default=default,
+                 metadata={"doc": text, "lo": lo, "hi": hi, "lo_open": lo_open})
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """Every threshold of raytrain_guard, defaults from the seed rules."""
+
+    # -- capacity planning -------------------------------------------------------------------
+    headroom_frac: float = _doc(
+        0.15, "Fraction of device memory kept free: static memory + activations + reserve must fit in "
+        "(1 - headroom_frac) of the card. Seed rule: 15 % headroom.", 0.0, 0.9)
+    host_prefetch_frac: float = _doc(
+        0.05, "Fraction of host RAM, per GPU, that prefetched batches (num_workers x prefetch_factor "
+        "x batch bytes, plus pinned copies) may occupy. Seed rule: 5 % of host RAM per GPU.",
+        0.0, 0.5, lo_open=True)
+    cuda_context_bytes: int = _doc(
+        1 * GiB, "Device memory taken by the CUDA context, cuBLAS/cuDNN workspaces and NCCL before any "
+        "tensor exists; part of the runtime reserve. Default 1 GiB: a CUDA 12 context with lazy "
+        "module loading plus NCCL communicators on a Hopper card measures 0.5-1 GiB.", 0)
+    fragmentation_frac: float = _doc(
+        0.05, "Caching-allocator fragmentation, as a fraction of the tensor peak; part of the runtime "
+        "reserve. Default 5 %: PyTorch's expandable segments keep reserved-over-allocated "
+        "within a few percent on steady training loops.", 0.0, 1.0)
+    min_workers_per_gpu: int = _doc(
+        2, "Lower clamp of DataLoader num_workers per GPU. Seed rule: workers clamped to [2, 8].", 0)
+    max_workers_per_gpu: int = _doc(
+        8, "Upper clamp of DataLoader num_workers per GPU. Seed rule: workers clamped to [2, 8].", 1)
+    max_prefetch_factor: int = _doc(
+        8, "Largest prefetch_factor the planner proposes: deeper queues only hold memory once "
+        "the loader keeps up. Default 8, twice the seed's fixed 4.", 1)
+    target_num_buckets: int = _doc(
+        8, "Number of DDP buckets the bucket-size recommendation aims for, so the allreduce of "
+        "early buckets overlaps the rest of backward. Default 8: below about 4 buckets the "
+        "last bucket's allreduce is exposed; far above, per-call latency dominates.", 1)
+    min_bucket_cap_mb: float = _doc(
+        1.0, "Smallest bucket_cap_mb recommended (MiB): below it per-allreduce latency dominates. "
+        "Default 1 MiB, the size DDP gives its own first bucket.", 0.0, lo_open=True)
+    max_bucket_cap_mb: float = _doc(
+        256.0, "Largest bucket_cap_mb recommended (MiB). Default 256 MiB: beyond it an allreduce "
+        "delays its overlap with backward more than it saves in latency.", 0.0, lo_open=True)
+    bandwidth_peak_frac: float = _doc(
+        0.8, "With a measured allreduce bandwidth curve, the bucket size is the smallest message "
+        "that reaches this fraction of the peak bus bandwidth. Default 0.8.", 0.0, 1.0,
+        lo_open=True)
+
+    # -- step gate ---------------------------------------------------------------------------
+    memory_watermark_frac: float = _doc(
+        0.88, "Memory fraction at which the gate releases cached blocks. Seed rule: watermark 0.88.",
+        0.0, 1.0, lo_open=True)
+    memory_critical_frac: float = _doc(
+        0.90, "Memory fraction at which the gate escalates (cluster action, or checkpoint before an "
+        "out-of-memory). Seed rule: critical 0.90.", 0.0, 1.0, lo_open=True)
+    num_slow_steps: int = _doc(
+        3, "Consecutive slow steps that raise a slow-step event. Seed rule: 3 in a row.", 1)
+    slow_step_factor: float = _doc(
+        1.5, "A step is slow when it takes longer than this multiple of the recent median step. "
+        "Default 1.5: DDP step jitter on a healthy node stays well below it.", 1.0, lo_open=True)
+    slow_step_abs_s: float | None = _doc(
+        None, "Optional absolute slow-step threshold in seconds; None uses only the relative rule.",
+        0.0, lo_open=True)
+    step_window: int = _doc(
+        50, "Number of recent steps kept for the median and the attribution. Default 50.", 3)
+    cpu_memory_budget_bytes: int | None = _doc(
+        None, "On CPU (no CUDA), the process-memory budget the watermark is measured against. None: "
+        "the host RAM divided by the local world size.", 1)
+    pacing_enabled: bool = field(default=False, metadata={
+        "doc": "Enable the seed's pacing delay (a sleep before each step under pressure). Off "
+               "by default: it trades throughput for memory and is a last resort."})
+    pacing_delay_s: float = _doc(
+        0.05, "Pacing delay per step when enabled. Default 50 ms.", 0.0)
+
+    # -- cluster -----------------------------------------------------------------------------
+    monitor_interval_s: float = _doc(
+        1.0, "Node monitor sampling interval. Default 1 s.", 0.0, lo_open=True)
+    report_every_steps: int = _doc(
+        10, "Steps per batch of statistics a rank sends to the coordinator. Default 10.", 1)
+    lockstep_every_steps: int = _doc(
+        10, "Every K steps the ranks agree on pending decisions through one tiny collective; a "
+        "decision is applied at the next multiple of K. Default 10.", 1)
+    checkpoint_every_steps: int = _doc(
+        200, "Steps between checkpoints of the shared train loop. Default 200.", 1)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
+            if lo is None and hi is None:
+                if f.type in ("bool",) and not isinstance(value, bool):
+                    raise ConfigError(f.name, "must be true or false", value=value,
+                                      fix="write true or false")
+                continue
+            if value is None and "None" in str(f.type):
+                continue
+            is_int = str(f.type).startswith("int")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                    is_int and not isinstance(value, int)):
+                kind = "an integer" if is_int else "a number"
+                raise ConfigError(f.name, f"must be {kind}", value=value,
+                                  fix=f"set {f.name} to {kind}; {f.metadata['doc']}")
+            lo_open = f.metadata.get("lo_open")
+            if lo is not None and (value < lo or (lo_open and value == lo)):
+                bound = f"> {lo}" if lo_open else f">= {lo}"
+                raise ConfigError(f.name, f"must be {bound}", value=value,
+                                  fix=_range_fix(f.name, lo, hi, lo_open))
+            if hi is not None and value > hi:
+                raise ConfigError(f.name, f"must be <= {hi}", value=value,
+                                  fix=_range_fix(f.name, lo, hi, lo_open))
+        if self.min_workers_per_gpu > self.max_workers_per_gpu:
+            raise ConfigError("min_workers_per_gpu", "exceeds max_workers_per_gpu",
+                              value=self.min_workers_per_gpu,
+                              fix=f"use at most max_workers_per_gpu={self.max_workers_per_gpu}")
+        if self.memory_watermark_frac > self.memory_critical_frac:
+            raise ConfigError("memory_watermark_frac", "exceeds memory_critical_frac",
+                              value=self.memory_watermark_frac,
+                              fix=f"keep it at or below memory_critical_frac="
+                                  f"{self.memory_critical_frac}")
+        if self.min_bucket_cap_mb > self.max_bucket_cap_mb:
+            raise ConfigError("min_bucket_cap_mb", "exceeds max_bucket_cap_mb",
+                              value=self.min_bucket_cap_mb,
+                              fix=f"use at most max_bucket_cap_mb={self.max_bucket_cap_mb}")
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> "GuardConfig":
+        """Build from a mapping; unknown keys are rejected with the closest known name."""
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                import difflib
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else \
+                    f"known keys: {', '.join(sorted(known))}"
+                raise ConfigError(f"{source}: {key}", "unknown key", fix=hint)
+        return cls(**dict(data))
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> "GuardConfig":
+        """Load from a TOML file: top-level keys, or a ``[raytrain_guard]`` table."""
+        try:
+            with open(path, "rb") as fh:
+                data = _toml.load(fh)
+        except FileNotFoundError:
+            raise ConfigError("config", "file not found", value=str(path),
+                              fix="pass the path of an existing TOML file") from None
+        except _toml.TOMLDecodeError as exc:
+            raise ConfigError("config", f"not valid TOML ({exc})", value=str(path),
+                              fix="fix the TOML syntax") from None
+        if "raytrain_guard" in data and isinstance(data["raytrain_guard"], dict):
+            data = data["raytrain_guard"]
+        return cls.from_dict(data, source=str(path))
+
+    def replace(self, **changes: Any) -> "GuardConfig":
+        """A copy with some fields changed, validated again."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def budget_frac(self) -> float:
+        """Fraction of device memory that tensors and the reserve may use (1 - headroom)."""
+        return 1.0 - self.headroom_frac
+
+
+def _range_fix(name: str, lo, hi, lo_open) -> str:
+    if lo is not None and hi is not None:
+        left = "(" if lo_open else "["
+        return f"choose {name} in {left}{lo}, {hi}]"
+    return f"choose {name} {'>' if lo_open else '>='} {lo}"
+

@@ -1,0 +1,70 @@
+"""Decisions are values: what to do, at which step, and why (pure)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class Action(str, enum.Enum):
+    """What a decision asks the adapters to do."""
+
+    RELEASE_CACHE = "release_cache"          # free cached allocator blocks (empty_cache / gc)
+    CHECKPOINT = "checkpoint"                # save a checkpoint now, then carry on
+    CHECKPOINT_AND_STOP = "checkpoint_and_stop"  # save, then stop cleanly before an OOM
+    SHRINK_MICRO_BATCH = "shrink_micro_batch"    # params: micro_batch, grad_accum (global kept)
+    SET_PREFETCH = "set_prefetch"            # params: device_prefetch_depth / prefetch_factor
+    PACE = "pace"                            # params: delay_s (seed's throttle; off by default)
+    SLOW_STEP = "slow_step"                  # event: consecutive slow steps, with a cause
+    FLAG_STRAGGLER = "flag_straggler"        # event: a rank/node is the straggler; drain it
+
+
+class Cause(str, enum.Enum):
+    """Which resource a slow step or a decision is attributed to."""
+
+    DATA = "data"
+    COMPUTE = "compute"
+    COMMUNICATION = "communication"
+    DEVICE_MEMORY = "device_memory"
+    HOST_MEMORY = "host_memory"
+    THERMAL = "thermal"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One action with its reason.
+
+    ``step`` is the step boundary at which every rank concerned applies it (``None``: the next
+    boundary of the rank that made it, for purely local decisions). ``scope`` is ``"rank"``,
+    ``"node:<node id>"`` or ``"cluster"``.
+    """
+
+    action: Action
+    reason: str
+    step: int | None = None
+    cause: Cause = Cause.UNKNOWN
+    scope: str = "rank"
+    params: Mapping[str, Any] = field(default_factory=dict)
+    decision_id: int = 0
+
+    def at(self, step: int) -> "Decision":
+        """The same decision, scheduled at ``step``."""
+        return Decision(self.action, self.reason, step, self.cause, self.scope,
+                        dict(self.params), self.decision_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"action": self.action.value, "reason": self.reason, "step": self.step,
+                "cause": self.cause.value, "scope": self.scope, "params": dict(self.params),
+                "decision_id": self.decision_id}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Decision":
+        return cls(Action(d["action"]), str(d["reason"]), d.get("step"),
+                   Cause(d.get("cause", "unknown")), str(d.get("scope", "rank")),
+                   dict(d.get("params", {})), int(d.get("decision_id", 0)))
+
+    def __str__(self) -> str:
+        when = f" at step {self.step}" if self.step is not None else ""
+        return f"{self.action.value}{when} [{self.scope}]: {self.reason}"

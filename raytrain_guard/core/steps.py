@@ -1,0 +1,38 @@
+"""Per-step timing and memory figures of one rank (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one rank measured for one training step (seconds and fractions).
+
+    ``comm_wait_s`` is the time the step waited for gradient communication beyond compute:
+    under DDP a rank that is slow in compute waits *least* here, so a straggler shows as the
+    rank with the smallest communication wait while the others wait for it.
+    """
+
+    step: int
+    total_s: float
+    data_wait_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    comm_wait_s: float = 0.0
+    optimizer_s: float = 0.0
+    memory_frac: float | None = None    # device (or CPU budget) memory fraction after the step
+    world_rank: int = 0
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward + optimizer, communication wait excluded."""
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StepStats":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})

@@ -1,0 +1,47 @@
+"""One exception root for the package.
+
+Every error a user can cause is a :class:`GuardError`. Each one carries the field (or input)
+at fault, the value it got and the fix, so the CLI can print one line and exit 2. All of them
+pickle, so they survive crossing a Ray actor or worker boundary.
+"""
+
+from __future__ import annotations
+
+
+class GuardError(Exception):
+    """Root of every raytrain_guard error."""
+
+
+class InputError(GuardError, ValueError):
+    """Bad user input: names the field, the value it got and the fix.
+
+    ``str(err)`` is a single line: ``"<field>: <problem> (got <value!r>); <fix>"``.
+    """
+
+    def __init__(self, field: str, problem: str, *, value: object = None, fix: str = "") -> None:
+        self.field = field
+        self.problem = problem
+        self.value = value
+        self.fix = fix
+        got = "" if value is None else f" (got {value!r})"
+        tail = f"; {fix}" if fix else ""
+        super().__init__(f"{field}: {problem}{got}{tail}")
+
+    def __reduce__(self):  # keep keyword-only arguments across pickling
+        return (_rebuild_input_error, (type(self), self.field, self.problem, self.value, self.fix))
+
+
+def _rebuild_input_error(cls, field, problem, value, fix):
+    return cls(field, problem, value=value, fix=fix)
+
+
+class ConfigError(InputError):
+    """A configuration field (Python or TOML) is unknown or out of range."""
+
+
+class PlanInputError(InputError):
+    """An input of the capacity planner (size, count, factory, model) is unusable."""
+
+
+class TraceError(PlanInputError):
+    """The user's model could not be traced on the fake or meta device."""

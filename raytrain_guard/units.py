@@ -1,0 +1,64 @@
+"""Parsing and formatting of byte sizes and counts (pure: standard library only)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from raytrain_guard.errors import InputError
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+TiB = 1024**4
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+}
+_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+
+
+def parse_bytes(text: str | int | float, *, field: str = "size") -> int:
+    """``"80GiB"`` -> 85899345920. Decimal (GB) and binary (GiB) units; a bare number is bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", str(text).strip())
+        if not m or m.group(2).lower() not in _BYTE_UNITS:
+            raise InputError(field, "not a size", value=text,
+                             fix="write a number with an optional unit, e.g. 80GiB, 512MiB, 1.5e9")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    result = value * _BYTE_UNITS[unit]
+    if not math.isfinite(result) or result <= 0:
+        raise InputError(field, "must be a positive size", value=text, fix="e.g. 80GiB")
+    return int(result)
+
+
+def parse_count(text: str | int | float, *, field: str = "count") -> int:
+    """``"7.5B"`` and ``"7.5e9"`` -> 7500000000. Suffixes K, M, B (or G) and T."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value, suffix = float(text), ""
+    else:
+        m = re.fullmatch(_NUMBER + r"\s*([A-Za-z]?)", str(text).strip())
+        if not m or m.group(2).lower() not in _COUNT_SUFFIX:
+            raise InputError(field, "not a count", value=text,
+                             fix="write a number with an optional K/M/B/T suffix, e.g. 7.5B or 7.5e9")
+        value, suffix = float(m.group(1)), m.group(2).lower()
+    result = value * _COUNT_SUFFIX[suffix]
+    if not math.isfinite(result) or result < 1:
+        raise InputError(field, "must be a positive count", value=text, fix="e.g. 7B")
+    return int(round(result))
+
+
+def format_bytes(n: float) -> str:
+    """Human bytes in binary units: ``format_bytes(3 * GiB) == "3.0 GiB"``."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{sign}{n / size:.1f} {unit}"
+    return f"{sign}{int(n)} B"
