@@ -70,6 +70,14 @@ class GuardConfig:
         0.8, "With a measured allreduce bandwidth curve, the bucket size is the smallest message "
         "that reaches this fraction of the peak bus bandwidth. Default 0.8.", 0.0, 1.0,
         lo_open=True)
+    num_buckets_in_flight: int = _doc(
+        2, "DDP bucket buffers the bucket-size memory bound assumes alive at once beyond the "
+        "planned memory: one being all-reduced while the next one fills. Default 2, DDP's "
+        "overlap of one allreduce with the rest of backward.", 1)
+    list_dataset_min_items: int = _doc(
+        1024, "A dataset attribute that is a Python list, tuple or dict with at least this many "
+        "items marks the dataset as list-backed (copy-on-read growth in forked DataLoader "
+        "workers). Default 1024: below it the refcount pages touched stay under a few MiB.", 1)
 
     # -- step gate ---------------------------------------------------------------------------
     memory_watermark_frac: float = _doc(
