@@ -104,6 +104,31 @@ class GuardConfig:
                "by default: it trades throughput for memory and is a last resort."})
     pacing_delay_s: float = _doc(
         0.05, "Pacing delay per step when enabled. Default 50 ms.", 0.0)
+    memory_hysteresis_frac: float = _doc(
+        0.03, "After a cache release the watermark rule re-arms only once the memory fraction falls "
+        "below memory_watermark_frac minus this. Default 0.03 (re-arm below 0.85): a loop that "
+        "hovers at the watermark releases once per crossing, not every step.", 0.0, 0.5)
+    release_cache_min_interval_s: float = _doc(
+        5.0, "Least time between two cache releases of one rank, whatever the hysteresis says. "
+        "Default 5 s: torch.cuda.empty_cache synchronizes the device and the next steps pay to "
+        "re-allocate, so releasing more often costs more than it frees.", 0.0)
+    memory_trend_steps: int = _doc(
+        5, "Recent memory readings the gate fits a line through (least squares) to predict the "
+        "memory fraction ahead. Default 5: enough points to ignore one noisy reading.", 2)
+    memory_predict_steps: int = _doc(
+        3, "Above the watermark, the gate escalates to checkpoint-and-stop when the memory trend "
+        "reaches memory_critical_frac within this many steps, so the worker checkpoints before "
+        "it would run out. Default 3; 0 disables the prediction (only the reading escalates).",
+        0)
+    slow_step_warmup_steps: int = _doc(
+        2, "First steps the slow-step rules ignore (kept out of the median). Default 2: DDP's first "
+        "step uses one big bucket and rebuilds its buckets, lazy initialisation and compilation "
+        "happen then too.", 0)
+    straggler_frac: float = _doc(
+        0.10, "Across ranks, a rank is a straggler when its compute (or data wait) exceeds the other "
+        "ranks' median by more than this fraction of their median step time, and waiting when "
+        "its communication wait exceeds the least one by as much. Default 10 %.", 0.0,
+        lo_open=True)
 
     # -- cluster -----------------------------------------------------------------------------
     monitor_interval_s: float = _doc(
