@@ -140,6 +140,26 @@ class GuardConfig:
         "decision is applied at the next multiple of K. Default 10.", 1)
     checkpoint_every_steps: int = _doc(
         200, "Steps between checkpoints of the shared train loop. Default 200.", 1)
+    decision_interval_s: float = _doc(
+        1.0, "Coordinator policy round interval: the policy runs at most this often, on the "
+        "reports that arrive. Default 1 s, the monitors' sampling interval.", 0.0)
+    decision_cooldown_steps: int = _doc(
+        20, "Steps after a cluster action's apply step before the same action may be decided "
+        "again (or escalated): the reports must show its effect first. Default 20, two report "
+        "batches at the default report_every_steps=10.", 1)
+    straggler_excess_frac: float = _doc(
+        0.2, "A rank is a straggler when its data or compute time exceeds the reference rank's "
+        "by this fraction of a median step. Default 0.2: healthy DDP ranks stay within a few "
+        "percent of each other; 20 % is a node that visibly holds the others back.", 0.0,
+        lo_open=True)
+    host_memory_watermark_frac: float = _doc(
+        0.90, "Host memory used fraction (1 - available/total) at which the policy lowers the "
+        "node's prefetch depth. Default 0.90: five points below Ray's memory monitor, which "
+        "kills workers at 0.95 (RAY_memory_usage_threshold).", 0.0, 1.0, lo_open=True)
+    oom_stop_frac: float = _doc(
+        0.98, "Device memory fraction, projected to the step after the next apply step, at which "
+        "the policy checkpoints and stops before an out-of-memory. Default 0.98: one more "
+        "activation-sized allocation from the end of the card.", 0.0, 1.0, lo_open=True)
 
     def __post_init__(self) -> None:
         for f in fields(self):
