@@ -147,11 +147,6 @@ class GuardConfig:
         20, "Steps after a cluster action's apply step before the same action may be decided "
         "again (or escalated): the reports must show its effect first. Default 20, two report "
         "batches at the default report_every_steps=10.", 1)
-    straggler_excess_frac: float = _doc(
-        0.2, "A rank is a straggler when its data or compute time exceeds the reference rank's "
-        "by this fraction of a median step. Default 0.2: healthy DDP ranks stay within a few "
-        "percent of each other; 20 % is a node that visibly holds the others back.", 0.0,
-        lo_open=True)
     host_memory_watermark_frac: float = _doc(
         0.90, "Host memory used fraction (1 - available/total) at which the policy lowers the "
         "node's prefetch depth. Default 0.90: five points below Ray's memory monitor, which "
