@@ -1,0 +1,118 @@
+"""Lockstep over real gloo processes: ranks fetch decisions at random, different times.
+
+Three processes (torch.multiprocessing, no Ray) run a scripted training: every optimizer step
+each rank does ``grad_accum`` micro-steps of ``micro_batch`` samples and allreduces the number of
+samples it contributed, which is the global batch the step really used. Decisions (cache
+releases and micro-batch shrinks that keep micro_batch x grad_accum) are published at fixed
+steps; each rank "fetches" each one after its own random delay (some ranks never hear of it,
+at least one does) and sleeps randomly so the ranks reach every boundary at different times.
+The test reads the ranks' own logs: every decision applied once, at one step on all ranks; the
+micro-batch settings equal on all ranks at every step; the allreduced global batch never
+changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import time
+
+import pytest
+
+WORLD = 3
+STEPS = 90
+K = 5
+MICRO0, ACCUM0 = 8, 1          # global batch = 8 x 1 x 3 ranks = 24 samples
+# (id, publish step, coordinator step or None, action, params)
+SCRIPT = [
+    (1, 3, None, "release_cache", {}),
+    (2, 12, None, "shrink_micro_batch", {"micro_batch": 4, "grad_accum": 2}),
+    (3, 20, 41, "release_cache", {}),      # coordinator asks for step 41: still ahead
+    (4, 33, None, "shrink_micro_batch", {"micro_batch": 2, "grad_accum": 4}),
+    (5, 50, 52, "checkpoint", {}),         # step 52 likely passed before agreement
+    (6, 51, None, "release_cache", {}),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fetch_steps(seed: int) -> dict[int, list[int | None]]:
+    """Per decision, per rank: the step it reaches that rank (None: never); one rank at least."""
+    rng = random.Random(seed)
+    out = {}
+    for did, publish, *_ in SCRIPT:
+        delays: list[int | None] = [rng.choice([None, rng.randint(0, 18)]) for _ in range(WORLD)]
+        if all(d is None for d in delays):
+            delays[rng.randrange(WORLD)] = rng.randint(0, 18)
+        out[did] = [None if d is None else publish + d for d in delays]
+    return out
+
+
+def _rank_main(rank: int, port: int, seed: int, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_guard.cluster.lockstep import Lockstep, ProcessGroupExchange
+    from raytrain_guard.core.decisions import Action, Decision
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    fetch = _fetch_steps(seed)
+    rng = random.Random(seed * 1000 + rank)
+    decisions = {did: Decision(Action(action), f"scripted {did}", cstep, scope="cluster",
+                               params=params, decision_id=did)
+                 for did, _, cstep, action, params in SCRIPT}
+    lockstep = Lockstep(every_steps=K, exchange=ProcessGroupExchange(), world_rank=rank)
+    micro, accum = MICRO0, ACCUM0
+    steps_log = []
+    for step in range(STEPS):
+        time.sleep(rng.uniform(0.0, 0.004))            # ranks reach the boundary at different times
+        lockstep.offer([decisions[did] for did, per_rank in fetch.items()
+                        if per_rank[rank] == step])
+        for d in lockstep.poll(step):
+            if d.action is Action.SHRINK_MICRO_BATCH:
+                micro, accum = int(d.params["micro_batch"]), int(d.params["grad_accum"])
+        samples = torch.zeros(1, dtype=torch.int64)
+        for _ in range(accum):
+            samples += micro
+        dist.all_reduce(samples)                       # the global batch this step really used
+        steps_log.append([step, micro, accum, int(samples.item())])
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump({"applied": lockstep.applied, "steps": steps_log}, fh)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("seed", [1, 7])
+def test_every_decision_applies_at_one_step_on_all_ranks(tmp_path, seed):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(_free_port(), seed, str(tmp_path)), nprocs=WORLD, join=True)
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    fetch = _fetch_steps(seed)
+
+    applied = [dict((did, step) for step, did in log["applied"]) for log in logs]
+    for r, log in enumerate(logs):       # each decision applied once per rank
+        assert len(log["applied"]) == len(applied[r]), f"rank {r} applied a decision twice"
+    for did, _, cstep, *_ in SCRIPT:
+        steps = {applied[r].get(did) for r in range(WORLD)}
+        assert len(steps) == 1 and None not in steps, f"decision {did} applied at {steps}"
+        (at,) = steps
+        first_known = min(s for s in fetch[did] if s is not None)
+        assert at >= first_known                        # never before any rank knew of it
+        agreed = -(-first_known // K) * K               # first agreement boundary after that
+        assert at == (cstep if cstep is not None and cstep > agreed else agreed)
+
+    for step in range(STEPS):
+        rows = [tuple(log["steps"][step][1:]) for log in logs]
+        assert len(set(rows)) == 1, f"ranks disagree at step {step}: {rows}"
+        micro, accum, global_batch = rows[0]
+        assert micro * accum * WORLD == global_batch == MICRO0 * ACCUM0 * WORLD
+    # the shrinks really happened (the run ends with micro 2 x accum 4)
+    assert logs[0]["steps"][-1][1:3] == [2, 4]
