@@ -1,19 +1,66 @@
-"""Per-GPU memory model of one training step (pure).
-
-CONTRACT (filled in by the memory-model work; the planner calls :func:`estimate`):
+"""Per-GPU memory model of one training step (pure: standard library only).
 
 memory = params + gradients + optimizer states + activations + communication buffers
          + runtime reserve (CUDA context + allocator fragmentation).
+
+The peak is not the plain sum of these categories. Three moments of a steady-state step compete,
+and :func:`estimate` computes each and keeps the largest:
+
+``backward``
+    Early in backward: every activation saved for backward is still alive (plus the first
+    gradients and the backward working memory, which a traced profile includes in its
+    activation bytes), and the optimizer state of the previous step exists.
+``optimizer``
+    Inside ``optimizer.step()``: all gradients exist, activations are freed, and the optimizer
+    makes temporaries (foreach Adam: one state-dtype copy of the parameters it updates;
+    single-tensor Adam: two copies of the largest parameter).
+``rebuild``
+    DDP only (world size > 1): at the start of the second iteration DDP rebuilds its gradient
+    buckets, and old and new buckets coexist briefly.
+
+Bytes per trainable parameter (``P`` params, ``G`` gradients, ``O`` optimizer; frozen
+parameters only cost ``P``), with ``k`` optimizer state copies (sgd 0, sgd-momentum 1, adam and
+adamw 2):
+
+==============  ===  ===  ========================  =========================================
+precision        P    G    O                         notes
+==============  ===  ===  ========================  =========================================
+fp32             4    4    4k                        everything fp32
+amp-bf16         4    4    4k                        autocast: bf16 weight copies and bf16
+                                                     activations live in the activation profile
+bf16-master      2    2    4 + 4k                    fp32 master weights with the optimizer
+                                                     state (ZeRO paper: 2 + 2 + 12 for Adam)
+bf16             2    2    2k                        everything bf16
+==============  ===  ===  ========================  =========================================
+
+Sharding over the ``N`` data-parallel ranks (sizes rounded up to a multiple of ``N``, as FSDP
+pads its flat parameters):
+
+* ``ddp``: nothing sharded. Gradient buckets hold one more full copy of the gradients unless
+  ``gradient_as_bucket_view``. Ray's ``prepare_model`` does not wrap DDP when the world size is
+  1, so with one rank there are no buckets.
+* ``zero1``: optimizer state (and its temporaries) divided by ``N``; DDP buckets as above.
+* ``fsdp-grad-op`` (ZeRO-2): gradients and optimizer state divided by ``N``; the parameters are
+  kept sharded at rest *and* unsharded from forward to the end of backward (counted as ``comm``),
+  plus two reduce-scatter buffers of the largest unit (prefetch).
+* ``fsdp-full`` (ZeRO-3): parameters, gradients and optimizer state divided by ``N``; two
+  all-gather buffers and two reduce-scatter buffers of the largest unit (prefetch).
+
+Gradient accumulation (``grad_accum > 1``): the gradients of earlier micro-steps are alive during
+every later backward (DDP ``no_sync``; FSDP ``no_sync`` keeps them unsharded).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
+from raytrain_guard.errors import PlanInputError
+from raytrain_guard.units import MiB
 
 
 class Strategy(str, enum.Enum):
@@ -37,9 +84,37 @@ class OptimizerKind(str, enum.Enum):
     ADAMW = "adamw"
 
 
+#: bytes of one parameter / one gradient element
+PARAM_BYTES = {Precision.FP32: 4, Precision.AMP_BF16: 4, Precision.BF16_MASTER: 2,
+               Precision.BF16: 2}
+#: bytes of one optimizer-state element (the dtype the optimizer runs in)
+STATE_BYTES = {Precision.FP32: 4, Precision.AMP_BF16: 4, Precision.BF16_MASTER: 4,
+               Precision.BF16: 2}
+#: bytes of master weights per trainable parameter
+MASTER_BYTES = {Precision.FP32: 0, Precision.AMP_BF16: 0, Precision.BF16_MASTER: 4,
+                Precision.BF16: 0}
+#: optimizer state tensors per parameter (momentum; exp_avg + exp_avg_sq)
+STATE_COPIES = {OptimizerKind.SGD: 0, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.ADAM: 2,
+                OptimizerKind.ADAMW: 2}
+
+
+def _coerce(enum_cls, value, field_name: str):
+    try:
+        return enum_cls(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in enum_cls)
+        raise PlanInputError(field_name, "unknown value", value=value,
+                             fix=f"choose one of: {choices}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingSetup:
-    """How the model is trained: everything besides the model that changes memory."""
+    """How the model is trained: everything besides the model that changes memory.
+
+    Strings are accepted for the enums (``strategy="fsdp-full"``). ``foreach`` is the optimizer's
+    implementation: True is PyTorch's default on CUDA (multi-tensor kernels, larger
+    temporaries), False its default on CPU (one parameter at a time).
+    """
 
     strategy: Strategy = Strategy.DDP
     precision: Precision = Precision.FP32
@@ -49,6 +124,26 @@ class TrainingSetup:
     world_size: int = 1                     # data-parallel ranks in total
     bucket_cap_mb: float = 25.0             # DDP's default cap
     gradient_as_bucket_view: bool = False   # DDP's default
+    foreach: bool = True                    # optimizer implementation (CUDA default)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", _coerce(Strategy, self.strategy, "strategy"))
+        object.__setattr__(self, "precision", _coerce(Precision, self.precision, "precision"))
+        object.__setattr__(self, "optimizer",
+                           _coerce(OptimizerKind, self.optimizer, "optimizer"))
+        for name in ("micro_batch", "grad_accum", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanInputError(name, "must be a positive integer", value=value,
+                                     fix=f"set {name} to 1 or more")
+        if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0:
+            raise PlanInputError("bucket_cap_mb", "must be a positive number of MiB",
+                                 value=self.bucket_cap_mb, fix="DDP's default is 25")
+
+    def with_micro_batch(self, micro_batch: int) -> "TrainingSetup":
+        """The same setup at another micro-batch (the planner's search variable)."""
+        import dataclasses
+        return dataclasses.replace(self, micro_batch=micro_batch)
 
 
 @dataclass(frozen=True)
@@ -58,17 +153,135 @@ class MemoryEstimate:
     ``peak_bytes`` is the tensor bytes at the peak (not the plain sum of the categories:
     ``breakdown`` holds each category's bytes *at the peak moment*, plus ``reserve``);
     ``total_bytes = peak_bytes + breakdown["reserve"]``. ``peak_phase`` says when the peak
-    happens ("backward", "optimizer", "forward").
+    happens ("backward", "optimizer", "rebuild"). ``phases`` holds the tensor bytes of every
+    candidate moment, so a reader can see how close the runner-up is.
     """
 
     peak_bytes: int
     total_bytes: int
-    breakdown: Mapping[str, int]    # params, grads, optimizer, activations, comm, reserve
+    breakdown: Mapping[str, int]    # params, buffers, grads, optimizer, activations, temp, comm, reserve
     peak_phase: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    phases: Mapping[str, int] = field(default_factory=dict)
+
+
+def _shard(numel: int, n: int) -> int:
+    """Elements one rank holds when ``numel`` is split over ``n`` ranks (padded, like FSDP)."""
+    return math.ceil(numel / n)
+
+
+def optimizer_temp_bytes(model: ModelStats, setup: TrainingSetup) -> int:
+    """Transient bytes inside ``optimizer.step()`` on one rank (before sharding is applied).
+
+    Adam/AdamW foreach: ``torch._foreach_sqrt(exp_avg_sqs)`` makes one state-dtype copy of every
+    parameter it updates. Single-tensor: ``exp_avg_sq.sqrt()`` and the division by the bias
+    correction make two copies of the largest parameter. SGD (momentum or not, no weight decay,
+    PyTorch's defaults) updates in place: no temporaries.
+    """
+    if STATE_COPIES[setup.optimizer] < 2:
+        return 0
+    state = STATE_BYTES[setup.precision]
+    if setup.foreach:
+        per_rank = model.num_trainable_params
+        if setup.strategy is not Strategy.DDP:
+            per_rank = _shard(per_rank, setup.world_size)
+        return per_rank * state
+    largest = max(model.param_numels) if model.param_numels else (
+        model.largest_unit_params or model.num_trainable_params)
+    largest = min(largest, model.num_trainable_params)
+    if setup.strategy is Strategy.FSDP_FULL or setup.strategy is Strategy.FSDP_GRAD_OP:
+        largest = _shard(largest, setup.world_size)
+    return 2 * largest * state
 
 
 def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingSetup,
              config: GuardConfig = GuardConfig()) -> MemoryEstimate:
-    """The per-GPU memory of one steady-state training step."""
-    raise NotImplementedError("memory model not written yet")
+    """The per-GPU memory of one steady-state training step.
+
+    Activations come from ``activations.at(setup.micro_batch)``; the profile must have been made
+    at ``setup.precision`` (a traced profile is made at the precision it was traced in).
+    """
+    n = setup.world_size
+    prec, strat = setup.precision, setup.strategy
+    p_b, s_b = PARAM_BYTES[prec], STATE_BYTES[prec]
+    opt_per_param = MASTER_BYTES[prec] + STATE_COPIES[setup.optimizer] * s_b
+    frozen = model.num_params - model.num_trainable_params
+    trainable = model.num_trainable_params
+    unit = model.largest_unit_params or model.num_params
+    notes: list[str] = []
+
+    # -- persistent per-rank state ---------------------------------------------------------
+    if strat is Strategy.FSDP_FULL or strat is Strategy.FSDP_GRAD_OP:
+        params = _shard(model.num_params, n) * p_b
+        grads = _shard(trainable, n) * p_b
+        optimizer = _shard(trainable, n) * opt_per_param
+    else:
+        params = model.num_params * p_b
+        grads = trainable * p_b
+        optimizer = (_shard(trainable, n) if strat is Strategy.ZERO1 else trainable) * opt_per_param
+    buffers = model.buffer_bytes
+    if frozen:
+        notes.append(f"{frozen} frozen parameters: parameter bytes only, no gradient or "
+                     f"optimizer state")
+
+    # -- communication buffers ---------------------------------------------------------------
+    bucket = 0
+    comm_bw = 0
+    comm_opt = 0
+    if strat in (Strategy.DDP, Strategy.ZERO1):
+        if n > 1:
+            bucket = trainable * p_b
+            if not setup.gradient_as_bucket_view:
+                comm_bw = comm_opt = bucket
+                notes.append("DDP buckets hold one full gradient copy "
+                             "(gradient_as_bucket_view=False)")
+        else:
+            notes.append("world size 1: Ray's prepare_model does not wrap DDP, no buckets")
+    elif strat is Strategy.FSDP_FULL:
+        comm_bw = 2 * unit * p_b + 2 * (unit if trainable else 0) * p_b
+        notes.append(f"FSDP: 2 all-gather + 2 reduce-scatter buffers of the largest unit "
+                     f"({unit} params), doubled for prefetch")
+    else:  # FSDP_GRAD_OP
+        unsharded = model.num_params * p_b
+        comm_bw = unsharded + 2 * (unit if trainable else 0) * p_b
+        notes.append("SHARD_GRAD_OP keeps unsharded parameters from forward to the end of "
+                     "backward, plus 2 reduce-scatter buffers of the largest unit")
+
+    # -- activations and gradients alive at the backward peak ------------------------------
+    acts = activations.at(setup.micro_batch)
+    if setup.grad_accum > 1:
+        grads_bw = trainable * p_b if strat in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP) \
+            else grads
+        notes.append(f"grad_accum={setup.grad_accum}: gradients of earlier micro-steps live "
+                     f"through every backward")
+    elif activations.source == "traced":
+        grads_bw = 0  # the traced profile already holds the gradients alive at its peak
+    else:
+        grads_bw = min(unit, trainable) * p_b  # the first unit's gradients, conservatively
+        if strat in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP):
+            grads_bw = 0  # the unit's unsharded gradients sit in the reduce-scatter buffers
+    temp = optimizer_temp_bytes(model, setup)
+
+    phases = {
+        "backward": params + buffers + optimizer + grads_bw + acts + comm_bw,
+        "optimizer": params + buffers + optimizer + grads + temp + comm_opt,
+    }
+    parts = {
+        "backward": dict(params=params, buffers=buffers, grads=grads_bw, optimizer=optimizer,
+                         activations=acts, temp=0, comm=comm_bw),
+        "optimizer": dict(params=params, buffers=buffers, grads=grads, optimizer=optimizer,
+                          activations=0, temp=temp, comm=comm_opt),
+    }
+    if strat in (Strategy.DDP, Strategy.ZERO1) and n > 1:
+        phases["rebuild"] = params + buffers + optimizer + 2 * bucket
+        parts["rebuild"] = dict(params=params, buffers=buffers, grads=0, optimizer=optimizer,
+                                activations=0, temp=0, comm=2 * bucket)
+    phase = max(phases, key=lambda k: phases[k])
+    peak = phases[phase]
+    reserve = config.cuda_context_bytes + int(round(config.fragmentation_frac * peak))
+    breakdown = dict(parts[phase])
+    breakdown["reserve"] = reserve
+    notes.append(f"peak in {phase}: " + ", ".join(
+        f"{k} {v / MiB:.1f} MiB" for k, v in phases.items()))
+    return MemoryEstimate(peak_bytes=peak, total_bytes=peak + reserve, breakdown=breakdown,
+                          peak_phase=phase, notes=tuple(notes), phases=phases)
