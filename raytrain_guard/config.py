@@ -130,6 +130,24 @@ class GuardConfig:
         "its communication wait exceeds the least one by as much. Default 10 %.", 0.0,
         lo_open=True)
 
+    # -- guarded DataLoader ------------------------------------------------------------------
+    loader_probe_samples: int = _doc(
+        8, "Samples (dataset[0..k-1]) the guarded DataLoader reads and collates in the training "
+        "process before starting workers, to measure batch bytes (scaled to the batch size) and "
+        "check that samples agree in type and shape. Default 8: enough to catch a mixed dataset, "
+        "cheap next to one batch.", 1)
+    worker_memory_interval_s: float = _doc(
+        5.0, "Interval of the background sampling of the DataLoader workers' private memory (USS). "
+        "Default 5 s, so reading /proc/<pid>/smaps stays far below 1 % of one core.", 0.0,
+        lo_open=True)
+    worker_memory_growth_samples: int = _doc(
+        5, "Consecutive non-decreasing worker-memory samples that count as steady growth "
+        "(copy-on-read). Default 5: 20 s of climbing at the default interval.", 2)
+    worker_memory_growth_bytes: int = _doc(
+        64 * 1024**2, "Least growth of the workers' summed private memory across those samples "
+        "that warns of copy-on-read. Default 64 MiB: allocator warm-up stays well below it; a "
+        "list-backed dataset of a few hundred MiB passes it within one epoch.", 1)
+
     # -- cluster -----------------------------------------------------------------------------
     monitor_interval_s: float = _doc(
         1.0, "Node monitor sampling interval. Default 1 s.", 0.0, lo_open=True)
