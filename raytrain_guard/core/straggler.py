@@ -1,0 +1,96 @@
+"""Per-rank straggler scores with attribution: input, compute or communication (pure).
+
+In DDP the ranks' wall-clock step times equalize: a rank slow in compute makes the others wait
+inside the allreduce. So a rank is scored on what it spends *itself* (data wait, compute), each
+compared with the faster half of the ranks, and not on its wall time. Scores are in units of a
+median step: ``excess_frac = 0.4`` means the rank adds 40 % of a step over the reference rank.
+
+The reference of each component is the lower median across ranks (``statistics.median_low``):
+with two ranks it is the faster one, and with many ranks it is a typical healthy rank as long
+as fewer than half are slow. Communication is attributed only when no rank is slow in data or
+compute: otherwise a high communication wait is the symptom of waiting for the straggler.
+
+Worked example (4 ranks, every step 1.0 s, medians over each rank's window)::
+
+    rank  data  compute  comm      reference (median_low): data 0.05, compute 0.5, comm 0.45
+    0     0.05  0.5      0.45      rank 3: compute excess (0.9 - 0.5) / 1.0 = 0.40 -> COMPUTE
+    1     0.05  0.5      0.45      ranks 0-2: no excess -> 0.0
+    2     0.05  0.5      0.45
+    3     0.05  0.9      0.05
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from raytrain_guard.core.decisions import Cause
+from raytrain_guard.core.steps import StepStats
+
+
+@dataclass(frozen=True)
+class StragglerScore:
+    """How much of a median step one rank adds over the reference rank, and in what."""
+
+    world_rank: int
+    excess_frac: float      # >= 0; the worst component's excess over the reference, / step
+    cause: Cause            # DATA, COMPUTE, COMMUNICATION; UNKNOWN when there is no excess
+    data_wait_s: float      # this rank's medians over its window
+    compute_s: float
+    comm_wait_s: float
+    step_s: float           # median step time across ranks (the unit of excess_frac)
+    num_steps: int
+
+    def to_dict(self) -> dict:
+        return {"world_rank": self.world_rank, "excess_frac": round(self.excess_frac, 4),
+                "cause": self.cause.value, "data_wait_s": self.data_wait_s,
+                "compute_s": self.compute_s, "comm_wait_s": self.comm_wait_s,
+                "step_s": self.step_s, "num_steps": self.num_steps}
+
+
+def score_ranks(windows: Mapping[int, Sequence[StepStats]], *, min_steps: int = 3,
+                noise_frac: float = 0.05) -> dict[int, StragglerScore]:
+    """Score every rank with at least ``min_steps`` statistics in its window.
+
+    ``noise_frac`` is the excess below which data/compute differences are treated as jitter
+    when deciding whether communication may be blamed. Needs two ranks or more; fewer gives {}.
+    """
+    medians: dict[int, tuple[float, float, float, float, int]] = {}
+    for rank, window in windows.items():
+        if len(window) < min_steps:
+            continue
+        medians[rank] = (statistics.median(s.data_wait_s for s in window),
+                         statistics.median(s.compute_s for s in window),
+                         statistics.median(s.comm_wait_s for s in window),
+                         statistics.median(s.total_s for s in window),
+                         len(window))
+    if len(medians) < 2:
+        return {}
+    values = list(medians.values())
+    ref_data = statistics.median_low(v[0] for v in values)
+    ref_compute = statistics.median_low(v[1] for v in values)
+    ref_comm = statistics.median_low(v[2] for v in values)
+    step_s = statistics.median(v[3] for v in values)
+    if step_s <= 0:
+        return {}
+
+    own: dict[int, tuple[float, Cause]] = {}
+    for rank, (data, compute, _comm, _total, _n) in medians.items():
+        excess_data = (data - ref_data) / step_s
+        excess_compute = (compute - ref_compute) / step_s
+        own[rank] = ((excess_data, Cause.DATA) if excess_data > excess_compute
+                     else (excess_compute, Cause.COMPUTE))
+    someone_slow = any(excess > noise_frac for excess, _ in own.values())
+
+    scores: dict[int, StragglerScore] = {}
+    for rank, (data, compute, comm, _total, n) in medians.items():
+        excess, cause = own[rank]
+        if not someone_slow:
+            excess_comm = (comm - ref_comm) / step_s
+            if excess_comm > excess:
+                excess, cause = excess_comm, Cause.COMMUNICATION
+        if excess <= 0:
+            excess, cause = 0.0, Cause.UNKNOWN
+        scores[rank] = StragglerScore(rank, excess, cause, data, compute, comm, step_s, n)
+    return scores

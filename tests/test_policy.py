@@ -1,0 +1,219 @@
+"""Pure coordinator policy and straggler scores: table-driven, exact expectations.
+
+Default config throughout: watermark 0.88, critical 0.90, oom_stop 0.98, lockstep K=10,
+report_every N=10, cooldown 20 steps, straggler_frac 0.10, host watermark 0.90.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.decisions import Action, Cause
+from raytrain_guard.core.node_samples import GpuSample, HostSample, NodeSample, RunSetup
+from raytrain_guard.core.policy import (ClusterView, PolicyState, RankView, decide,
+                                        default_apply_step)
+from raytrain_guard.core.steps import StepStats
+from raytrain_guard.core.straggler import score_ranks
+from raytrain_guard.units import GiB
+
+CFG = GuardConfig()
+
+
+def window(rank, *, data=0.05, compute=0.5, comm=0.45, mem=None, first=31, n=10, total=None):
+    """n steps first..first+n-1; ``mem`` is a constant or a function of the step."""
+    total = data + compute + comm if total is None else total
+    out = []
+    for step in range(first, first + n):
+        m = mem(step) if callable(mem) else mem
+        out.append(StepStats(step=step, total_s=total, data_wait_s=data, forward_s=compute,
+                             comm_wait_s=comm, memory_frac=m, world_rank=rank))
+    return tuple(out)
+
+
+def view(ranks=None, nodes=None):
+    return ClusterView(ranks=ranks or {}, nodes=nodes or {})
+
+
+def rank(r, node="n0", setup=RunSetup(), **kw):
+    return RankView(r, node, window(r, **kw), setup)
+
+
+def node(node_id, *, available_frac=0.5, gpus=()):
+    host = HostSample(memory_total_bytes=100 * GiB,
+                      memory_available_bytes=int(available_frac * 100 * GiB))
+    return NodeSample(node_id, seq=1, monitor_epoch="e", time_s=0.0, host=host, gpus=tuple(gpus))
+
+
+# -- straggler scores --------------------------------------------------------------------------
+
+STRAGGLER_CASES = [
+    # 4 ranks, 1.0 s steps. Reference (median_low): compute 0.5, data 0.05, comm 0.45.
+    # rank 3 computes 0.9 s: excess (0.9 - 0.5) / 1.0 = 0.4, COMPUTE; it waits least (0.05).
+    ("compute", {0: {}, 1: {}, 2: {}, 3: dict(compute=0.9, comm=0.05)},
+     {0: (0.0, Cause.UNKNOWN), 1: (0.0, Cause.UNKNOWN), 2: (0.0, Cause.UNKNOWN),
+      3: (0.4, Cause.COMPUTE)}),
+    # 2 ranks: reference is the faster one. Rank 1 waits 0.45 s for data vs 0.1 s:
+    # excess (0.45 - 0.1) / 1.0 = 0.35, DATA; rank 0's comm wait 0.4 is waiting, not blamed.
+    ("data, two ranks", {0: dict(data=0.1, compute=0.5, comm=0.4),
+                         1: dict(data=0.45, compute=0.5, comm=0.05)},
+     {0: (0.0, Cause.UNKNOWN), 1: (0.35, Cause.DATA)}),
+    # Nobody slow in data/compute; rank 2 waits 0.4 s in communication vs 0.1 s:
+    # step_s = median(0.65, 0.65, 0.95) = 0.65; excess (0.4 - 0.1) / 0.65 = 0.461538...
+    ("communication", {0: dict(comm=0.1), 1: dict(comm=0.1), 2: dict(comm=0.4)},
+     {0: (0.0, Cause.UNKNOWN), 1: (0.0, Cause.UNKNOWN), 2: (0.3 / 0.65, Cause.COMMUNICATION)}),
+]
+
+
+@pytest.mark.parametrize("name,ranks,expected", STRAGGLER_CASES, ids=[c[0] for c in STRAGGLER_CASES])
+def test_straggler_scores(name, ranks, expected):
+    scores = score_ranks({r: window(r, **kw) for r, kw in ranks.items()})
+    assert {r: (pytest.approx(s.excess_frac), s.cause) for r, s in scores.items()} == expected
+
+
+@pytest.mark.parametrize("windows", [
+    {0: window(0)},                                   # one rank: nothing to compare with
+    {0: window(0, n=2), 1: window(1, n=2)},           # fewer than 3 steps per rank
+])
+def test_straggler_needs_two_ranks_with_three_steps(windows):
+    assert score_ranks(windows) == {}
+
+
+# -- apply step --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("latest,expected", [
+    (37, 50),   # after 37 + 10 = 47 -> next multiple of 10 is 50
+    (40, 60),   # after 50 (strictly) -> 60
+    (0, 20),
+])
+def test_default_apply_step(latest, expected):
+    assert default_apply_step(latest, CFG) == expected
+
+
+# -- decisions ---------------------------------------------------------------------------------
+# Windows cover steps 31..40 unless said otherwise, so latest_step = 40 and at = 60.
+
+def _decide(v, state=PolicyState(), cfg=CFG, at=60):
+    return decide(v, state, cfg, at)
+
+
+def test_no_pressure_no_decisions():
+    out = _decide(view({0: rank(0, mem=0.5), 1: rank(1, mem=0.6)}, {"n0": node("n0")}))
+    assert out.decisions == () and out.state == PolicyState()
+
+
+DEVICE_CASES = [
+    # name, memory of rank 1, setup, state, expected actions with params, new release/shrink step
+    ("release at watermark", 0.89, RunSetup(), PolicyState(),
+     [(Action.RELEASE_CACHE, {"memory_frac": 0.89})], 60, None),
+    # released at 30: cooled at 30 + 20 = 50 <= 40? no -> nothing yet
+    ("cooldown holds", 0.89, RunSetup(), PolicyState(last_release_step=30), [], 30, None),
+    # released at 20, cooled (40 >= 40), still 0.91 >= critical, micro_batch 8 even:
+    # 8 -> 4, grad_accum 2 -> 4 (8 x 2 = 4 x 4: global batch unchanged)
+    ("shrink after release", 0.91, RunSetup(8, 2, 4), PolicyState(last_release_step=20),
+     [(Action.SHRINK_MICRO_BATCH, {"micro_batch": 4, "grad_accum": 4})], 60, 60),
+    # micro_batch 7 is odd: no shrink (a note says so), release again instead
+    ("odd micro-batch", 0.91, RunSetup(7, 2, 4), PolicyState(last_release_step=20),
+     [(Action.RELEASE_CACHE, {"memory_frac": 0.91})], 60, None),
+    # flat at 0.985 >= oom_stop 0.98
+    ("stop at the line", 0.985, RunSetup(8, 2, 4), PolicyState(),
+     [(Action.CHECKPOINT_AND_STOP, {"memory_frac": 0.985, "projected_frac": 0.985})], None, None),
+]
+
+
+@pytest.mark.parametrize("name,mem,setup,state,expected,release,shrink", DEVICE_CASES,
+                         ids=[c[0] for c in DEVICE_CASES])
+def test_device_memory_rules(name, mem, setup, state, expected, release, shrink):
+    v = view({0: rank(0, mem=0.5, setup=setup), 1: rank(1, mem=mem, setup=setup)})
+    out = _decide(v, state)
+    assert [(d.action, dict(d.params)) for d in out.decisions] == expected
+    assert all(d.step == 60 and d.scope == "cluster" and d.cause is Cause.DEVICE_MEMORY
+               for d in out.decisions)
+    if expected and expected[0][0] is not Action.CHECKPOINT_AND_STOP:
+        assert out.state.last_release_step == release
+        assert out.state.last_shrink_step == shrink
+    if name == "odd micro-batch":
+        assert out.notes == ("cannot shrink the micro-batch 7: it is odd, so halving it would "
+                             "change the global batch; only cache releases remain",)
+
+
+def test_rising_memory_stops_before_oom():
+    # memory 0.80 at step 31 rising 0.01 per step -> 0.89 at step 40 (>= watermark).
+    # horizon = at + K = 60 + 10 = 70; projected 0.89 + 0.01 x (70 - 40) = 1.19 >= 0.98
+    v = view({0: rank(0, mem=lambda s: 0.80 + 0.01 * (s - 31)), 1: rank(1, mem=0.5)})
+    out = _decide(v)
+    (d,) = out.decisions
+    assert d.action is Action.CHECKPOINT_AND_STOP and d.step == 60
+    assert d.params == {"memory_frac": 0.89, "projected_frac": 1.19}
+    assert "rank 0 (node n0) at 89%" in d.reason and "by step 70" in d.reason
+    assert out.state.stop_step == 60
+    # once stopping, nothing more is decided
+    assert _decide(v, out.state).decisions == ()
+
+
+def test_nvml_reading_counts_as_device_pressure():
+    gpu = GpuSample(index=2, memory_used_bytes=95, memory_total_bytes=100)
+    out = _decide(view({0: rank(0), 1: rank(1)}, {"n1": node("n1", gpus=[gpu])}))
+    (d,) = out.decisions
+    assert d.action is Action.RELEASE_CACHE
+    assert d.reason == ("release cached memory on all ranks at step 60: node n1 GPU 2 at 95% of "
+                        "device memory (watermark 88%)")
+
+
+@pytest.mark.parametrize("prefetch,expected,note", [
+    (4, [("node:n1", {"prefetch_factor": 2})], ()),     # 4 // 2
+    (3, [("node:n1", {"prefetch_factor": 1})], ()),     # 3 // 2
+    (None, [("node:n1", {"prefetch_factor": 1})], ()),  # unknown -> the minimum
+    (1, [], ("node n1: host memory at 95% with prefetch_factor already 1; nothing left to lower",)),
+])
+def test_host_pressure_lowers_prefetch_on_that_node(prefetch, expected, note):
+    setup = RunSetup(8, 1, prefetch)
+    v = view({0: rank(0, "n0", setup), 1: rank(1, "n1", setup)},
+             {"n0": node("n0", available_frac=0.5), "n1": node("n1", available_frac=0.05)})
+    out = _decide(v)
+    assert [(d.scope, dict(d.params)) for d in out.decisions] == expected
+    assert all(d.action is Action.SET_PREFETCH and d.cause is Cause.HOST_MEMORY
+               for d in out.decisions)
+    assert out.notes == note
+    if expected:
+        assert out.state.prefetch_steps == {"n1": 60}
+        # cooldown: the same node is not lowered again before step 60 + 20 = 80
+        assert _decide(v, out.state).decisions == ()
+
+
+def _straggler_view(gpus=()):
+    return view({0: rank(0, "n0"), 1: rank(1, "n0"), 2: rank(2, "n1"),
+                 3: rank(3, "n1", compute=0.9, comm=0.05)},
+                {"n0": node("n0"), "n1": node("n1", gpus=gpus)})
+
+
+def test_straggler_node_flagged_once():
+    out = _decide(_straggler_view())
+    (d,) = out.decisions
+    assert (d.action, d.scope, d.cause) == (Action.FLAG_STRAGGLER, "node:n1", Cause.COMPUTE)
+    assert d.params == {"node_id": "n1", "world_ranks": [3], "excess_frac": 0.4,
+                        "recommendation": "drain"}
+    assert d.reason == ("node n1 is a straggler (compute): rank 3 adds 40% of a 1000 ms step; "
+                        "recommend draining the node")
+    assert out.state.flagged_nodes == {"n1"}
+    assert _decide(_straggler_view(), out.state).decisions == ()
+
+
+def test_throttled_straggler_is_thermal():
+    gpu = GpuSample(0, 10, 100, throttle_reasons=("thermal",))
+    (d,) = _decide(_straggler_view([gpu])).decisions
+    assert d.cause is Cause.THERMAL and "GPUs throttled (thermal)" in d.reason
+
+
+def test_pacing_on_and_off_when_enabled():
+    cfg = CFG.replace(pacing_enabled=True)
+    hot = view({0: rank(0, mem=0.89), 1: rank(1, mem=0.5)})
+    out = _decide(hot, cfg=cfg)
+    assert [(d.action, dict(d.params)) for d in out.decisions] == [
+        (Action.RELEASE_CACHE, {"memory_frac": 0.89}), (Action.PACE, {"delay_s": 0.05})]
+    cool = view({0: rank(0, mem=0.5), 1: rank(1, mem=0.5)})
+    off = _decide(cool, out.state, cfg=cfg)
+    assert [(d.action, dict(d.params)) for d in off.decisions] == [(Action.PACE, {"delay_s": 0.0})]
+    assert not off.state.pacing
+    # pacing is off by default: the same hot view releases only
+    assert [d.action for d in _decide(hot).decisions] == [Action.RELEASE_CACHE]
