@@ -1,0 +1,206 @@
+"""The worker-side coordinator client, and the decision source the train loop polls.
+
+:class:`CoordinatorClient` runs inside every training worker. It never blocks a step:
+
+- ``record(stats)`` buffers :class:`~raytrain_guard.core.steps.StepStats`; every
+  ``report_every_steps`` of them go to the coordinator in one fire-and-forget ``.remote()``
+  call (at most ``MAX_INFLIGHT_REPORTS`` unanswered; beyond that a batch is dropped and counted);
+- ``poll_decisions()`` asks ``decisions_since(cursor)`` once per report batch and collects the
+  answer with ``ray.wait(timeout=0)`` when it has arrived, never waiting for it;
+- any failure (coordinator dead, restarting, not started yet, Ray gone) drops the handle; the
+  lookup by name is retried lazily, at most once per ``retry_after_s`` of the injected clock.
+  Meanwhile training goes on under the local gate rules: the guard fails open.
+
+:class:`LockstepDecisionSource` is the ``decision_source`` seam of the shared train loop
+(``poll(step, stats) -> list[Decision]``): it feeds the client, hands fetched decisions to
+:class:`~raytrain_guard.cluster.lockstep.Lockstep` and returns what every rank applies at this
+step. The coordinator actor methods used: ``report_steps(world_rank, node_id, attempt,
+stats, setup)`` and ``decisions_since(decision_id) -> list[dict]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from raytrain_guard.cluster.lockstep import Lockstep
+from raytrain_guard.core.decisions import Decision
+from raytrain_guard.core.steps import StepStats
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_PREFIX = "raytrain_guard:coordinator:"
+MAX_INFLIGHT_REPORTS = 4
+
+
+def coordinator_name(run_id: str) -> str:
+    """The coordinator actor's name for a run (``raytrain_guard:coordinator:<run id>``)."""
+    return f"{COORDINATOR_PREFIX}{run_id}"
+
+
+def lookup_actor(name: str, namespace: str | None) -> Any:
+    """The named actor's handle (raises ValueError when there is none)."""
+    import ray
+    return ray.get_actor(name, namespace=namespace)
+
+
+class CoordinatorClient:
+    """One rank's link to the coordinator: batched reports out, decisions in, never blocking."""
+
+    def __init__(self, name: str, *, namespace: str | None, world_rank: int, node_id: str,
+                 report_every_steps: int, attempt: int = 0,
+                 setup: Callable[[], Mapping[str, Any]] | None = None,
+                 lookup: Callable[[str, str | None], Any] = lookup_actor,
+                 clock: Callable[[], float] = time.monotonic, retry_after_s: float = 5.0) -> None:
+        self.name = name
+        self.namespace = namespace
+        self.world_rank = world_rank
+        self.node_id = node_id
+        self.report_every_steps = report_every_steps
+        self.attempt = attempt
+        self.setup = setup
+        self.lookup = lookup
+        self.clock = clock
+        self.retry_after_s = retry_after_s
+        self._handle: Any = None
+        self._next_lookup_at = float("-inf")
+        self._buffer: list[dict[str, Any]] = []
+        self._reports: list[Any] = []           # refs of unanswered report_steps calls
+        self._fetch: Any = None                 # ref of the unanswered decisions_since call
+        self.cursor = 0                         # newest decision id received
+        self.num_reports_sent = 0
+        self.num_reports_dropped = 0
+        self.num_failures = 0
+        self._warned = False
+
+    @property
+    def connected(self) -> bool:
+        return self._handle is not None
+
+    def record(self, stats: StepStats | Iterable[StepStats]) -> None:
+        """Buffer one step's (or several steps') figures; send a batch every N steps."""
+        batch = [stats] if isinstance(stats, StepStats) else list(stats)
+        self._buffer.extend(s.to_dict() for s in batch)
+        if len(self._buffer) < self.report_every_steps:
+            return
+        stats_dicts, self._buffer = self._buffer, []
+        handle = self._connect()
+        if handle is None:
+            self.num_reports_dropped += 1
+            return
+        if len(self._reports) >= MAX_INFLIGHT_REPORTS:
+            self.num_reports_dropped += 1       # the coordinator is slow: never queue up
+        else:
+            try:
+                setup = dict(self.setup()) if self.setup else None
+                self._reports.append(handle.report_steps.remote(
+                    self.world_rank, self.node_id, self.attempt, stats_dicts, setup))
+                self.num_reports_sent += 1
+            except Exception as exc:  # noqa: BLE001 - fail open
+                self._lose(exc)
+                return
+        if self._fetch is None:
+            try:
+                self._fetch = handle.decisions_since.remote(self.cursor)
+            except Exception as exc:  # noqa: BLE001 - fail open
+                self._lose(exc)
+
+    def poll_decisions(self) -> list[Decision]:
+        """Decisions whose fetch has completed since the last call; ``[]`` without waiting."""
+        if self._fetch is None and not self._reports:
+            return []
+        try:
+            ready = self._ready_results()
+        except Exception as exc:  # noqa: BLE001 - fail open
+            self._lose(exc)
+            return []
+        out = []
+        for entry in ready:
+            try:
+                decision = Decision.from_dict(entry)
+            except (KeyError, ValueError, TypeError) as exc:
+                logger.warning("rank %d: ignoring an unreadable decision %r: %s",
+                               self.world_rank, entry, exc)
+                continue
+            self.cursor = max(self.cursor, decision.decision_id)
+            out.append(decision)
+        return out
+
+    def _ready_results(self) -> list[Mapping[str, Any]]:
+        """The one method that touches ``ray.wait``/``ray.get``, always with timeout 0.
+
+        Collects finished report calls (raising their error, if any, so a dead coordinator is
+        noticed) and the decisions of a finished fetch.
+        """
+        import ray
+
+        refs = list(self._reports) + ([self._fetch] if self._fetch is not None else [])
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
+        if not done:
+            return []
+        done_set = set(done)
+        finished_reports = [r for r in self._reports if r in done_set]
+        self._reports = [r for r in self._reports if r not in done_set]
+        ray.get(finished_reports, timeout=0)
+        if self._fetch is not None and self._fetch in done_set:
+            fetch, self._fetch = self._fetch, None
+            return list(ray.get(fetch, timeout=0) or [])
+        return []
+
+    def _connect(self) -> Any:
+        if self._handle is not None:
+            return self._handle
+        now = self.clock()
+        if now < self._next_lookup_at:
+            return None
+        self._next_lookup_at = now + self.retry_after_s
+        try:
+            self._handle = self.lookup(self.name, self.namespace)
+            logger.info("rank %d: connected to coordinator %s", self.world_rank, self.name)
+        except Exception as exc:  # noqa: BLE001 - fail open
+            self._note_failure(exc)
+        return self._handle
+
+    def _lose(self, exc: BaseException) -> None:
+        self._handle = None
+        self._reports = []
+        self._fetch = None
+        self._next_lookup_at = self.clock() + self.retry_after_s
+        self._note_failure(exc)
+
+    def _note_failure(self, exc: BaseException) -> None:
+        self.num_failures += 1
+        log = logger.debug if self._warned else logger.warning
+        self._warned = True
+        log("rank %d: coordinator %s unreachable (%s: %s); training goes on under the local "
+            "gate, retrying every %.0f s", self.world_rank, self.name, type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "", self.retry_after_s)
+
+
+class LockstepDecisionSource:
+    """The train loop's ``decision_source``: coordinator decisions, applied in lockstep."""
+
+    def __init__(self, lockstep: Lockstep, client: CoordinatorClient | None = None) -> None:
+        self.lockstep = lockstep
+        self.client = client
+
+    def poll(self, step: int, stats: StepStats | Sequence[StepStats] | None = None
+             ) -> list[Decision]:
+        """At a step boundary on every rank: decisions to apply at exactly ``step``.
+
+        Runs the lockstep collective every ``lockstep_every_steps`` steps (all ranks call it).
+        """
+        if self.client is not None:
+            try:
+                if stats:
+                    self.client.record(stats)
+                self.lockstep.offer(self.client.poll_decisions())
+            except Exception as exc:  # noqa: BLE001 - the guard fails open, lockstep must run
+                logger.warning("decision source: client failed (%r); going on", exc)
+        return self.lockstep.poll(step)
+
+    @property
+    def applied(self) -> list[tuple[int, int]]:
+        """This rank's log of ``(step, decision_id)`` applied."""
+        return self.lockstep.applied
