@@ -1,0 +1,145 @@
+"""Checkpoint of the shared train loop: everything a restarted run needs to continue exactly.
+
+One file, ``train_state.pt``, written by rank 0 into a fresh directory: the model and optimizer
+state (full, unsharded: a DDP, ZeRO-1 or FSDP2 run writes the same portable file), the step,
+the loader position (``{"epoch", "batches_consumed", "seed"}``), each rank's gate state and each
+rank's RNG states (torch, Python, NumPy when present), gathered to rank 0.
+
+:func:`gather_train_state` is a collective (every rank calls it; FSDP2 gathers shards, ZeRO-1
+consolidates the optimizer, RNG states are all-gathered); :func:`write_train_state` and
+:func:`read_train_state` are file I/O; :func:`restore_train_state` loads the model, optimizer and
+this rank's RNG states on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any, Mapping
+
+from raytrain_guard.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "train_state.pt"
+FORMAT_VERSION = 1
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generator states."""
+    import torch
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy is optional
+        pass
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    import torch
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        try:
+            import numpy
+            numpy.random.set_state(state["numpy"])
+        except ImportError:  # pragma: no cover
+            pass
+
+
+def gather_train_state(planned: Any, optimizer: Any, *, step: int,
+                       loader_state: Mapping[str, Any], guard_state: Mapping[str, Any] | None,
+                       extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """Collect the run's state on rank 0 (a collective: every rank must call it).
+
+    Returns the state on rank 0 and ``None`` on the other ranks.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world_size = dist.get_world_size() if distributed else 1
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(planned.module, options=options)
+    if _is_zero(optimizer):
+        optimizer.consolidate_state_dict(to=0)
+        optim_state = optimizer.state_dict() if rank == 0 else None
+    else:
+        optim_state = get_optimizer_state_dict(planned.module, optimizer, options=options)
+    per_rank = {"rng": rng_state(), "guard": dict(guard_state or {})}
+    if distributed:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, per_rank)
+    else:
+        gathered = [per_rank]
+    if rank != 0:
+        return None
+    return {"format_version": FORMAT_VERSION, "step": int(step), "world_size": world_size,
+            "strategy": planned.strategy.value, "model": model_state, "optimizer": optim_state,
+            "loader": dict(loader_state), "rng": [g["rng"] for g in gathered],
+            "guard": [g["guard"] for g in gathered], "extra": dict(extra or {})}
+
+
+def write_train_state(directory: str | os.PathLike[str], state: Mapping[str, Any]) -> str:
+    """Write ``state`` into ``directory`` (created if needed); returns the file path."""
+    import torch
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, STATE_FILE)
+    tmp = path + ".tmp"
+    torch.save(dict(state), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def read_train_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read the state written by :func:`write_train_state`."""
+    import torch
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.exists(path):
+        raise InputError("checkpoint", f"has no {STATE_FILE}", value=str(directory),
+                         fix="resume only from checkpoints written by the raytrain_guard loop")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("format_version") != FORMAT_VERSION:
+        raise InputError("checkpoint", "unknown format version",
+                         value=state.get("format_version"),
+                         fix=f"write it with this version of raytrain_guard ({FORMAT_VERSION})")
+    return state
+
+
+def restore_train_state(planned: Any, optimizer: Any, state: Mapping[str, Any], *,
+                        world_rank: int) -> None:
+    """Load model, optimizer and this rank's RNG states (every rank calls it).
+
+    The world size may differ from the one that wrote the checkpoint: model and optimizer are
+    full state dicts; RNG states exist only for ranks that existed, other ranks keep theirs.
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(planned.module, state["model"], options=options)
+    if _is_zero(optimizer):
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        set_optimizer_state_dict(planned.module, optimizer, state["optimizer"], options=options)
+    rngs = state.get("rng") or []
+    if world_rank < len(rngs):
+        set_rng_state(rngs[world_rank])
+    logger.info("rank %d: restored step %d (loader %s)", world_rank, state["step"],
+                state.get("loader"))
+
+
+def _is_zero(optimizer: Any) -> bool:
+    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"

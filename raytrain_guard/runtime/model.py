@@ -1,0 +1,218 @@
+"""Planned DDP / FSDP: the user's module wrapped the way the plan says.
+
+- ``ddp`` and ``zero1``: DistributedDataParallel with the plan's ``bucket_cap_mb`` and
+  ``gradient_as_bucket_view``. Inside a Ray Train worker through
+  ``ray.train.torch.prepare_model(parallel_strategy="ddp", parallel_strategy_kwargs=...)``;
+  outside Ray (plain ``torch.distributed``) by constructing DDP directly. ``zero1`` also shards
+  the optimizer state (:func:`wrap_optimizer` -> ``ZeroRedundancyOptimizer``).
+- ``fsdp-grad-op`` and ``fsdp-full``: FSDP2 (``torch.distributed.fsdp.fully_shard``), on CPU with
+  gloo too. Ray's ``prepare_model(parallel_strategy="fsdp")`` is FSDP1 and needs CUDA, so Ray
+  only moves the module to the device (``parallel_strategy=None``) and the sharding is ours.
+  Each direct child that holds parameters becomes one FSDP unit, then the root.
+  ``fsdp-grad-op`` keeps parameters gathered between forward and backward
+  (``reshard_after_forward=False``, ZeRO-2); ``fsdp-full`` reshards them (ZeRO-3).
+
+:meth:`PlannedModel.grad_sync` is the one switch for gradient accumulation: ``no_sync()`` under
+DDP, ``set_requires_gradient_sync`` under FSDP2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from raytrain_guard.core.memory_model import Strategy
+from raytrain_guard.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+#: How the module ended up wrapped.
+KIND_DDP = "ddp"
+KIND_FSDP2 = "fsdp2"
+KIND_LOCAL = "local"     # world size 1 or no process group: no wrapper
+
+
+def parse_strategy(value: Any, *, field_name: str = "strategy") -> Strategy:
+    """``"ddp"``, ``"zero1"``, ``"fsdp-grad-op"``, ``"fsdp-full"`` (or a Strategy) -> Strategy."""
+    if isinstance(value, Strategy):
+        return value
+    aliases = {"fsdp": Strategy.FSDP_FULL, "fsdp2": Strategy.FSDP_FULL}
+    text = str(value).strip().lower().replace("_", "-")
+    if text in aliases:
+        return aliases[text]
+    try:
+        return Strategy(text)
+    except ValueError:
+        raise InputError(field_name, "unknown parallel strategy", value=value,
+                         fix="use one of " + ", ".join(s.value for s in Strategy)) from None
+
+
+@dataclass
+class PlannedModel:
+    """The wrapped module, how it was wrapped, and the settings really applied.
+
+    Call :attr:`module` for forward; :attr:`inner` is the user's module (DDP's ``.module``, or
+    the FSDP2 module itself, which FSDP2 shards in place).
+    """
+
+    module: Any
+    inner: Any
+    strategy: Strategy
+    kind: str
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    applied: dict[str, Any] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def grad_sync(self, enabled: bool) -> Iterator[None]:
+        """Within this block, backward synchronizes gradients only if ``enabled``.
+
+        Use ``grad_sync(False)`` for all but the last micro-batch of an accumulation window.
+        """
+        if enabled or self.kind == KIND_LOCAL:
+            yield
+        elif self.kind == KIND_DDP:
+            with self.module.no_sync():
+                yield
+        else:
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+
+    def bucket_layout(self) -> dict[str, Any]:
+        """DDP's bucket settings as the reducer holds them (empty unless DDP).
+
+        ``bucket_cap_bytes`` is ``DistributedDataParallel.bucket_bytes_cap``; ``bucket_sizes``
+        the bytes of each bucket as last built (after the first iteration DDP rebuilds them in
+        the order gradients became ready).
+        """
+        if self.kind != KIND_DDP:
+            return {}
+        data = self.module._get_ddp_logging_data()
+        sizes_text = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+        sizes = [int(s) for s in sizes_text.replace(" ", "").split(",") if s]
+        return {"bucket_cap_bytes": int(self.module.bucket_bytes_cap),
+                "bucket_sizes": sizes, "num_buckets": len(sizes),
+                "gradient_as_bucket_view": bool(data.get("gradient_as_bucket_view", 0)),
+                "has_rebuilt_buckets": bool(data.get("has_rebuilt_buckets", 0))}
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.strategy.value, "kind": self.kind,
+                "bucket_cap_mb": self.bucket_cap_mb,
+                "gradient_as_bucket_view": self.gradient_as_bucket_view, **self.applied}
+
+
+def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,
+               bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
+               device: Any = None, use_ray: bool | None = None) -> PlannedModel:
+    """Wrap ``model`` for data-parallel training as planned.
+
+    ``use_ray``: go through ``ray.train.torch.prepare_model`` (default: when running inside a
+    Ray Train worker). Outside Ray the process group must already be initialized (or the world
+    size is 1, and the module is only moved to ``device``).
+    """
+    import torch
+    import torch.distributed as dist
+
+    strategy = parse_strategy(strategy)
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise InputError("bucket_cap_mb", "must be > 0", value=bucket_cap_mb,
+                         fix="pass the planner's bucket_cap_mb, or None for DDP's default 25")
+    if not isinstance(model, torch.nn.Module):
+        raise InputError("model", "is not a torch.nn.Module", value=type(model).__name__,
+                         fix="make model_factory() return an nn.Module")
+    if use_ray is None:
+        use_ray = _in_ray_train_worker()
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if device is None:
+        device = _default_device(use_ray)
+    device = torch.device(device)
+
+    if world_size == 1:
+        model = model.to(device)
+        return PlannedModel(model, model, strategy, KIND_LOCAL, bucket_cap_mb,
+                            gradient_as_bucket_view, {"world_size": 1})
+
+    if strategy in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP):
+        return _wrap_fsdp2(model, strategy, device, use_ray, world_size)
+
+    kwargs: dict[str, Any] = {"gradient_as_bucket_view": bool(gradient_as_bucket_view)}
+    if bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = float(bucket_cap_mb)
+    if use_ray:
+        from ray.train.torch import prepare_model
+        wrapped = prepare_model(model, parallel_strategy="ddp", parallel_strategy_kwargs=kwargs)
+    else:
+        model = model.to(device)
+        ids = [device.index] if device.type == "cuda" else None
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, **kwargs)
+    planned = PlannedModel(wrapped, wrapped.module, strategy, KIND_DDP, bucket_cap_mb,
+                           bool(gradient_as_bucket_view),
+                           {"world_size": world_size,
+                            "bucket_cap_bytes": int(wrapped.bucket_bytes_cap)})
+    logger.info("wrapped model in DDP (%s): bucket_cap_mb=%s gradient_as_bucket_view=%s",
+                strategy.value, bucket_cap_mb if bucket_cap_mb is not None else "25 (default)",
+                gradient_as_bucket_view)
+    return planned
+
+
+def _wrap_fsdp2(model: Any, strategy: Strategy, device: Any, use_ray: bool,
+                world_size: int) -> PlannedModel:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if use_ray:
+        from ray.train.torch import prepare_model
+        model = prepare_model(model, parallel_strategy=None)
+    else:
+        model = model.to(device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    reshard = strategy == Strategy.FSDP_FULL
+    units = 0
+    for child in model.children():
+        if any(p.requires_grad for p in child.parameters()):
+            fully_shard(child, mesh=mesh, reshard_after_forward=reshard)
+            units += 1
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    logger.info("sharded model with FSDP2 (%s): %d units + root, reshard_after_forward=%s",
+                strategy.value, units, reshard)
+    return PlannedModel(model, model, strategy, KIND_FSDP2, None, False,
+                        {"world_size": world_size, "fsdp_units": units + 1,
+                         "reshard_after_forward": reshard})
+
+
+def wrap_optimizer(planned: PlannedModel, optimizer: Any) -> Any:
+    """Under ``zero1``, re-create ``optimizer`` as a ZeroRedundancyOptimizer (state sharded).
+
+    The user's optimizer class and its defaults (lr, betas, weight decay ...) are kept; other
+    strategies get the optimizer back unchanged.
+    """
+    if planned.strategy != Strategy.ZERO1 or planned.kind != KIND_DDP:
+        return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **optimizer.defaults)
+
+
+def _in_ray_train_worker() -> bool:
+    try:
+        import ray.train
+        ray.train.get_context().get_world_size()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: not inside a Ray Train worker
+        return False
+
+
+def _default_device(use_ray: bool) -> Any:
+    import torch
+    if use_ray:
+        from ray.train.torch import get_device
+        return get_device()
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

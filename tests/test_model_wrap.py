@@ -1,0 +1,227 @@
+"""Planned DDP / FSDP2 / ZeRO-1 and the loop's checkpoint, on a real 2-rank gloo process group.
+
+One spawn of two processes runs every distributed check (start-up dominates: ~8 s); each rank
+writes what it saw to JSON and the tests below assert on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.buckets import recommend_bucket_cap
+from raytrain_guard.core.memory_model import Strategy
+from raytrain_guard.errors import InputError
+from raytrain_guard.runtime.model import KIND_LOCAL, parse_strategy, wrap_model
+
+WORLD = 2
+LAYER = 256
+NUM_LAYERS = 8
+# Gradient bytes of the bucket model: 8 x (256 x 256 weight + 256 bias) x 4 bytes
+# = 8 x 263168 = 2105344.
+GRAD_BYTES = NUM_LAYERS * (LAYER * LAYER + LAYER) * 4
+# DDP buckets in reverse registration order: bias (1024 B), weight (262144 B), bias, ...
+PARAM_BYTES = [b for _ in range(NUM_LAYERS) for b in (LAYER * 4, LAYER * LAYER * 4)]
+
+
+def _bucket_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER) for _ in range(NUM_LAYERS)])
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+
+def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(4, 16, generator=gen), torch.randn(4, 1, generator=gen))
+            for _ in range(n)]
+
+
+def _train(planned, optimizer, rank: int, *, steps: int, grad_accum: int) -> list[float]:
+    losses = []
+    data = _batches(rank, steps * grad_accum)
+    for step in range(steps):
+        for micro in range(grad_accum):
+            x, y = data[step * grad_accum + micro]
+            with planned.grad_sync(micro == grad_accum - 1):
+                loss = torch.nn.functional.mse_loss(planned.module(x), y) / grad_accum
+                loss.backward()
+            losses.append(float(loss))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _full_params(planned) -> list[list[float]]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = get_model_state_dict(planned.module, options=StateDictOptions(full_state_dict=True))
+    return [state[k].flatten().tolist() for k in sorted(state)]
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from raytrain_guard.runtime.checkpoint import (gather_train_state, read_train_state,
+                                                   restore_train_state, write_train_state)
+    from raytrain_guard.runtime.model import wrap_optimizer
+    out: dict = {}
+
+    # 1. The planner's cap, applied: DDP builds the buckets the plan predicted.
+    config = GuardConfig(min_bucket_cap_mb=0.0625, target_num_buckets=8)
+    plan = recommend_bucket_cap(grad_bytes=GRAD_BYTES, config=config, param_bytes=PARAM_BYTES)
+    for name, cap in (("planned", plan.bucket_cap_mb), ("quarter", 0.25), ("default", None)):
+        planned = wrap_model(_bucket_model(), strategy="ddp", bucket_cap_mb=cap, use_ray=False)
+        for _ in range(3):     # buckets are rebuilt after the first iteration
+            planned.module(torch.randn(4, LAYER)).sum().backward()
+        out[name] = planned.bucket_layout()
+    out["plan"] = plan.to_dict()
+
+    # 2. no_sync: without sync the ranks' gradients differ (different data); with it they agree.
+    planned = wrap_model(_mlp(), strategy="ddp", use_ray=False)
+    x, y = _batches(rank, 1)[0]
+    with planned.grad_sync(False):
+        torch.nn.functional.mse_loss(planned.module(x), y).backward()
+    unsynced = planned.inner[0].weight.grad.clone()
+    planned.inner.zero_grad()
+    with planned.grad_sync(True):
+        torch.nn.functional.mse_loss(planned.module(x), y).backward()
+    synced = planned.inner[0].weight.grad.clone()
+    both = [torch.zeros_like(unsynced) for _ in range(WORLD)]
+    dist.all_gather(both, unsynced)
+    out["unsynced_equal"] = bool(torch.equal(both[0], both[1]))
+    dist.all_gather(both, synced)
+    out["synced_equal"] = bool(torch.allclose(both[0], both[1]))
+
+    # 3. DDP, ZeRO-1, FSDP2 (both modes): same data, same init, 3 steps x 2 micro-batches.
+    for strategy in ("ddp", "zero1", "fsdp-full", "fsdp-grad-op"):
+        planned = wrap_model(_mlp(), strategy=strategy, use_ray=False)
+        optimizer = wrap_optimizer(planned, torch.optim.SGD(planned.module.parameters(), lr=0.1,
+                                                            momentum=0.9))
+        losses = _train(planned, optimizer, rank, steps=3, grad_accum=2)
+        out[strategy] = {"kind": planned.kind, "losses": losses, "params": _full_params(planned),
+                         "optimizer": type(optimizer).__name__}
+
+        # 4. Checkpoint round trip: save after 3 steps, train 2 more (reference); restore into
+        #    a fresh wrap, train the same 2 steps: same parameters.
+        state = gather_train_state(planned, optimizer, step=3, loader_state={"epoch": 0},
+                                   guard_state={"rank": rank})
+        ckpt_dir = os.path.join(out_dir, f"ckpt-{strategy}")
+        if rank == 0:
+            write_train_state(ckpt_dir, state)
+        dist.barrier()
+        drawn_after_save = torch.rand(1).item()   # the RNG state saved must come back
+        _train(planned, optimizer, rank, steps=2, grad_accum=1)
+        reference = _full_params(planned)
+
+        fresh = wrap_model(_mlp(), strategy=strategy, use_ray=False)
+        fresh_opt = wrap_optimizer(fresh, torch.optim.SGD(fresh.module.parameters(), lr=0.1,
+                                                          momentum=0.9))
+        loaded = read_train_state(ckpt_dir)
+        restore_train_state(fresh, fresh_opt, loaded, world_rank=rank)
+        out[strategy]["rng_restored"] = torch.rand(1).item() == drawn_after_save
+        _train(fresh, fresh_opt, rank, steps=2, grad_accum=1)
+        out[strategy]["resumed_equal"] = _close(_full_params(fresh), reference)
+        out[strategy]["guard_states"] = loaded["guard"]
+        out[strategy]["step"] = loaded["step"]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(out, fh)
+    dist.destroy_process_group()
+
+
+def _close(a: list[list[float]], b: list[list[float]]) -> bool:
+    return all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-6) for x, y in zip(a, b))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("wrap")
+    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_planned_bucket_cap_is_what_ddp_builds(ranks):
+    # Plan: 2105344 B / 8 buckets = 263168 B = 0.2510 MiB, rounded up to 1/16 MiB -> 0.3125 MiB
+    # = 327680 B. One layer (263168 B) stays under it, two layers (526336 B) pass it: 4 buckets.
+    layout = ranks[0]["planned"]
+    assert ranks[0]["plan"]["bucket_cap_mb"] == 0.3125
+    assert layout["bucket_cap_bytes"] == 327680
+    assert layout["has_rebuilt_buckets"]
+    assert layout["bucket_sizes"] == [526336] * 4
+    assert layout["num_buckets"] == ranks[0]["plan"]["num_buckets"] == 4
+
+
+def test_bucket_cap_changes_the_layout(ranks):
+    # 0.25 MiB = 262144 B: bias 1024 + weight 262144 = 263168 >= cap closes each bucket: 8.
+    assert ranks[0]["quarter"]["bucket_sizes"] == [263168] * 8
+    # Default 25 MiB, but DDP's first bucket is 1 MiB: 4 layers = 1052672 >= 1048576 close it,
+    # the other 4 layers share the second bucket.
+    assert ranks[0]["default"]["bucket_cap_bytes"] == 25 * 1024 * 1024
+    assert ranks[0]["default"]["bucket_sizes"] == [1052672, 1052672]
+
+
+def test_grad_sync_false_skips_the_allreduce(ranks):
+    assert ranks[0]["unsynced_equal"] is False
+    assert ranks[0]["synced_equal"] is True
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp-full", "fsdp-grad-op"])
+def test_sharded_strategies_train_like_ddp(ranks, strategy):
+    for rank in ranks:
+        assert rank[strategy]["kind"] == ("ddp" if strategy == "zero1" else "fsdp2")
+        assert _close(rank[strategy]["params"], rank["ddp"]["params"])
+        assert rank[strategy]["losses"] == pytest.approx(rank["ddp"]["losses"], abs=1e-6)
+    assert ranks[0]["zero1"]["optimizer"] == "ZeroRedundancyOptimizer"
+    # every rank ends with the same full parameters
+    assert _close(ranks[0][strategy]["params"], ranks[1][strategy]["params"])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp-full", "fsdp-grad-op"])
+def test_checkpoint_resumes_exactly(ranks, strategy):
+    for rank in ranks:
+        assert rank[strategy]["resumed_equal"] is True
+        assert rank[strategy]["step"] == 3
+        assert rank[strategy]["rng_restored"] is True
+        assert rank[strategy]["guard_states"] == [{"rank": 0}, {"rank": 1}]
+
+
+def test_single_process_is_not_wrapped():
+    planned = wrap_model(torch.nn.Linear(2, 2), strategy="ddp", use_ray=False, device="cpu")
+    assert planned.kind == KIND_LOCAL
+    assert planned.bucket_layout() == {}
+    with planned.grad_sync(False):
+        planned.module(torch.ones(1, 2)).sum().backward()
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("ddp", Strategy.DDP), ("ZeRO1", Strategy.ZERO1), ("fsdp_full", Strategy.FSDP_FULL),
+    ("fsdp", Strategy.FSDP_FULL), ("fsdp-grad-op", Strategy.FSDP_GRAD_OP),
+])
+def test_parse_strategy(text, expected):
+    assert parse_strategy(text) is expected
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(InputError, match="strategy: unknown parallel strategy.*'horovod'"):
+        parse_strategy("horovod")
+    with pytest.raises(InputError, match="bucket_cap_mb: must be > 0"):
+        wrap_model(torch.nn.Linear(2, 2), bucket_cap_mb=0, use_ray=False)
+    with pytest.raises(InputError, match="model: is not a torch.nn.Module"):
+        wrap_model(object(), use_ray=False)
