@@ -1,0 +1,507 @@
+"""Trace the user's own model: activation bytes without real memory and without a GPU.
+
+:func:`trace_model` imports a factory that builds the ``nn.Module`` and a factory for one sample
+batch, builds both under ``FakeTensorMode`` (tensors with shapes and dtypes, no storage), and runs
+real training steps - forward, loss, backward, ``optimizer.step()``, ``zero_grad()`` - under
+PyTorch's own tracker ``torch.distributed._tools.mem_tracker.MemTracker``. One warm-up step
+creates the optimizer state; then one tracked step at each of two micro-batches (the sample's
+batch ``b0`` and ``2 * b0``, built by repeating the sample along dim 0, or by calling the sample
+factory with ``batch_size=`` when it takes one) gives the activations as
+``fixed + per_sample * b``, so the planner searches micro-batches without tracing again.
+
+What is read from the tracker, per tracked step: the peak snapshot after forward, after backward
+and after the optimizer step. The step's peak is the largest of them and its phase is the first
+one that reached it. The activation profile is fitted on the backward-side peak: everything alive
+there except parameters, buffers and optimizer state (so the profile holds activations, the
+input batch, the backward working memory and the gradients already produced at that moment).
+The optimizer's temporaries are left to the memory model, which computes them for the chosen
+``foreach`` setting (the trace runs PyTorch's CPU default, single-tensor).
+
+Fallback: if the model cannot run under ``FakeTensorMode`` it is built and run on the ``meta``
+device; if that fails too, :class:`~raytrain_guard.errors.TraceError` names the operation that
+failed (the last aten op dispatched) and the fix.
+
+Known MemTracker limits, where they bite (README notes):
+
+* Modules that deep-copy a layer at construction (``nn.TransformerEncoder``) can mix fake modes;
+  the meta fallback handles them.
+* DDP gradient buckets are filed under "Activation"; the trace runs without DDP, the memory model
+  adds buckets for world sizes > 1.
+* Fake ``cuda`` tensors abort in backward on a CPU-only build, so the trace always runs on the CPU
+  device. CPU kernels decide what is saved: CPU SDPA with dropout 0 takes a flash path (no
+  seq x seq term), like CUDA's; autocast's CPU op list is close to, not identical with, CUDA's.
+* The tracker counts tensor bytes, rounded to 512 bytes on CUDA only; allocator fragmentation and
+  the CUDA context are the memory model's runtime reserve.
+* MemTracker registers a gradient hook on every parameter and raises on frozen ones (torch
+  2.13); the trace marks frozen parameters as already hooked.
+* Optimizer state is read at the end of ``optimizer.step()`` and tensors made inside it are filed
+  under "Optstate", so the optimizer's temporaries show as optimizer state at an optimizer peak.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from raytrain_guard.core.memory_model import OptimizerKind, Precision
+from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
+from raytrain_guard.errors import TraceError
+
+log = logging.getLogger(__name__)
+
+_CATEGORY = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads",
+             "Activation": "activations", "Temp": "temp", "Optstate": "optimizer",
+             "Other": "activations"}  # "Other" is the input batch (tracked as external)
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """What one trace found. Byte counts are per rank, single process, no DDP.
+
+    ``peak_bytes`` is the tracked peak of the step at ``micro_batch``; ``breakdown`` holds each
+    category's bytes at that moment; ``peak_phase`` is "forward", "backward" or "optimizer".
+    ``peaks_by_micro_batch`` holds the traced peak of every traced micro-batch.
+    """
+
+    model_stats: ModelStats
+    activations: ActivationProfile
+    micro_batch: int
+    peak_bytes: int
+    peak_phase: str
+    breakdown: Mapping[str, int]
+    peaks_by_micro_batch: Mapping[int, int]
+    trace_s: float
+    mode: str                       # "fake" or "meta"
+    precision: Precision
+    optimizer: OptimizerKind
+    loss: str                       # how the loss was computed
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+
+def load_object(spec: str | Callable[..., Any], *, field_name: str) -> Callable[..., Any]:
+    """``"package.module:attr"`` (or a callable, returned as is) -> the callable."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise TraceError(field_name, "not a 'module:attr' reference", value=spec,
+                         fix="write it as package.module:function, e.g. examples.models:mlp")
+    module_name, attr = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's input
+        raise TraceError(field_name, f"cannot import module {module_name!r} "
+                         f"({type(exc).__name__}: {exc})", value=spec,
+                         fix="check the module path and that it imports (run it with python "
+                             "-c 'import ...'); the working directory must be on sys.path") \
+            from None
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise TraceError(field_name, f"module {module_name!r} has no attribute {attr!r}",
+                             value=spec, fix="name a function or class defined in that module") \
+                from None
+    if not callable(obj):
+        raise TraceError(field_name, f"{attr!r} is not callable", value=spec,
+                         fix="name a function that returns the model (or the batch)")
+    return obj
+
+
+def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Callable[..., Any],
+                *, loss: str | Callable[[Any, Any], Any] | None = None,
+                precision: Precision | str = Precision.FP32,
+                optimizer: OptimizerKind | str = OptimizerKind.ADAMW,
+                micro_batches: tuple[int, int] | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> TraceResult:
+    """Trace one steady-state training step of the user's model; see the module docstring.
+
+    ``loss(model, batch) -> scalar``; by default the model is called with the batch (a dict as
+    keyword arguments, a tuple/list as positional arguments, anything else as one argument) and
+    the output is summed: a tensor itself, the first tensor of a tuple/list, every floating
+    tensor of a dict or ``ModelOutput``. ``precision`` "amp-bf16" runs forward and loss under
+    CPU bf16 autocast; "bf16" and "bf16-master" cast the model and the floating inputs to bf16.
+    ``micro_batches``: the two batch sizes to trace (default ``(b0, 2 * b0)``, ``b0`` the sample
+    factory's own batch size); the first is the one ``peak_bytes`` reports.
+    """
+    start = clock()
+    precision = _coerce(Precision, precision, "precision")
+    optimizer = _coerce(OptimizerKind, optimizer, "optimizer")
+    build_model = load_object(model_factory, field_name="model")
+    build_sample = load_object(sample_factory, field_name="sample")
+    loss_fn = load_object(loss, field_name="loss") if loss is not None else None
+    errors: list[str] = []
+    for mode in ("fake", "meta"):
+        try:
+            runs, stats, loss_desc = _trace_in_mode(mode, build_model, build_sample, loss_fn,
+                                                    precision, optimizer, micro_batches)
+        except TraceError:
+            raise
+        except _OpFailure as exc:
+            errors.append(f"{mode}: {exc}")
+            log.info("trace on %s device failed: %s", mode, exc)
+            continue
+        return _result(runs, stats, loss_desc, mode, precision, optimizer, errors,
+                       clock() - start)
+    raise TraceError("model", "cannot be traced on the fake or the meta device ("
+                     + "; ".join(errors) + ")", value=_name(model_factory),
+                     fix="make the failing operation shape-only (no .item(), .tolist(), "
+                         "numpy() or data-dependent Python branches in forward), or plan with "
+                         "--params / --layers instead")
+
+
+# -- internals ---------------------------------------------------------------------------------
+
+class _OpFailure(Exception):
+    """The model failed while running on a fake/meta device (message names the op)."""
+
+
+def _coerce(cls, value, name):
+    try:
+        return cls(value)
+    except ValueError:
+        raise TraceError(name, "unknown value", value=value,
+                         fix="choose one of: " + ", ".join(m.value for m in cls)) from None
+
+
+def _name(spec) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "__qualname__", repr(spec))
+
+
+def _call_factory(fn, field_name: str, spec_name: str, **kwargs):
+    try:
+        return fn(**kwargs)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's factory raised
+        raise _FactoryError(field_name, spec_name, exc) from exc
+
+
+class _FactoryError(Exception):
+    def __init__(self, field_name: str, spec_name: str, exc: BaseException) -> None:
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.field_name, self.spec_name, self.exc = field_name, spec_name, exc
+
+
+def _trace_in_mode(mode, build_model, build_sample, loss_fn, precision, optimizer,
+                   micro_batches):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    recorder = _LastOp()
+    if mode == "fake":
+        ctx = FakeTensorMode(allow_non_fake_inputs=True)
+    else:
+        ctx = torch.device("meta")
+    try:
+        with ctx:
+            model = _call_factory(build_model, "model", _name(build_model))
+            if not isinstance(model, torch.nn.Module):
+                raise TraceError("model", "the factory did not return a torch.nn.Module",
+                                 value=type(model).__name__,
+                                 fix="return the model instance from the factory")
+            if precision in (Precision.BF16, Precision.BF16_MASTER):
+                model = model.to(torch.bfloat16)
+            model.train()
+            stats = model_stats_of(model)
+            opt = _make_optimizer(model, optimizer)
+            takes_batch_size = "batch_size" in _parameters(build_sample)
+            sample = _call_factory(build_sample, "sample", _name(build_sample))
+            if mode == "meta":
+                sample = _map_tensors(sample, lambda t: t.to("meta"))
+            b0 = _batch_size(sample)
+            sizes = micro_batches or (b0, 2 * b0)
+            runs = []
+            desc = ""
+            with recorder:
+                for i, b in enumerate(sizes):
+                    batch = _batch_at(sample, b0, b, build_sample, takes_batch_size, mode,
+                                      precision)
+                    if i == 0:  # warm-up: creates optimizer state
+                        desc = _step(model, opt, batch, loss_fn, precision, None)
+                    runs.append((b, _tracked_step(model, opt, batch, loss_fn, precision)))
+    except TraceError:
+        raise
+    except _FactoryError as exc:
+        if mode == "fake" and exc.field_name == "model" and _looks_like_fake_issue(exc.exc):
+            raise _OpFailure(f"building the model failed under FakeTensorMode ({exc})") from None
+        raise TraceError(exc.field_name, f"the factory raised {exc}", value=exc.spec_name,
+                         fix="make the factory run on its own (python -c \"from m import f; "
+                             "f()\") and build on whatever device is current") from None
+    except Exception as exc:  # noqa: BLE001 - the model cannot run on this device
+        op = recorder.last or "(no operation yet)"
+        raise _OpFailure(f"operation {op} failed: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return runs, stats, desc
+
+
+def _looks_like_fake_issue(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}"
+    return any(w in text for w in ("Fake", "fake", "DataDependent", "meta", "mode"))
+
+
+class _LastOp:
+    """A dispatch mode that remembers the last aten op, to name it when one fails."""
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+        self._mode = None
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.last = str(func)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
+
+
+def _parameters(fn) -> Mapping[str, Any]:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def _make_optimizer(model, kind: OptimizerKind):
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise TraceError("model", "has no trainable parameters", value=type(model).__name__,
+                         fix="unfreeze at least one parameter (requires_grad=True)")
+    # foreach=False: PyTorch's CPU default; the memory model adds foreach temporaries itself
+    if kind is OptimizerKind.SGD:
+        return torch.optim.SGD(params, lr=1e-3, foreach=False)
+    if kind is OptimizerKind.SGD_MOMENTUM:
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=False)
+    if kind is OptimizerKind.ADAM:
+        return torch.optim.Adam(params, lr=1e-3, foreach=False)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def _map_tensors(obj, fn):
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, fn, obj)
+
+
+def _batch_size(sample) -> int:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(sample):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
+    raise TraceError("sample", "holds no tensor with a batch dimension",
+                     value=type(sample).__name__,
+                     fix="return a tensor, or a tuple/dict of tensors, batch first")
+
+
+def _batch_at(sample, b0, b, build_sample, takes_batch_size, mode, precision):
+    import torch
+
+    if b == b0:
+        batch = sample
+    elif takes_batch_size:
+        batch = _call_factory(build_sample, "sample", _name(build_sample), batch_size=b)
+        if mode == "meta":
+            batch = _map_tensors(batch, lambda t: t.to("meta"))
+    else:
+        def resize(t):
+            if t.dim() == 0 or t.shape[0] != b0:
+                return t
+            reps = -(-b // b0)
+            return torch.cat([t] * reps, dim=0)[:b].clone()
+        batch = _map_tensors(sample, resize)
+    if precision in (Precision.BF16, Precision.BF16_MASTER):
+        batch = _map_tensors(batch, lambda t: t.to(torch.bfloat16) if t.is_floating_point()
+                             else t)
+    return batch
+
+
+def _call_model(model, batch):
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _default_loss(output) -> tuple[Any, str]:
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output.sum(), "sum of the output tensor"
+    if isinstance(output, Mapping) or hasattr(output, "to_tuple"):
+        items = output.items() if isinstance(output, Mapping) else vars(output).items()
+        floats = [(k, v) for k, v in items
+                  if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if floats:
+            total = sum(v.sum() for _, v in floats)
+            return total, "sum of every floating tensor of the output mapping (" \
+                + ", ".join(k for k, _ in floats) + ")"
+    if isinstance(output, (tuple, list)):
+        for i, v in enumerate(output):
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v.sum(), f"sum of output[{i}], the first floating tensor"
+    raise TraceError("loss", "the model output holds no floating tensor to sum",
+                     value=type(output).__name__,
+                     fix="pass --loss module:fn with fn(model, batch) -> scalar tensor")
+
+
+def _forward_loss(model, batch, loss_fn, precision):
+    import contextlib
+
+    import torch
+
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) \
+        if precision is Precision.AMP_BF16 else contextlib.nullcontext()
+    with amp:
+        if loss_fn is not None:
+            return loss_fn(model, batch), "the user's loss function"
+        return _default_loss(_call_model(model, batch))
+
+
+def _step(model, opt, batch, loss_fn, precision, snapshots):
+    loss, desc = _forward_loss(model, batch, loss_fn, precision)
+    if snapshots is not None:
+        snapshots.append(("forward", snapshots.tracker.get_tracker_snapshot("peak")))
+    loss.backward()
+    del loss
+    if snapshots is not None:
+        snapshots.append(("backward", snapshots.tracker.get_tracker_snapshot("peak")))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if snapshots is not None:
+        snapshots.append(("optimizer", snapshots.tracker.get_tracker_snapshot("peak")))
+    return desc
+
+
+class _Snapshots(list):
+    def __init__(self, tracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+
+def _tracked_step(model, opt, batch, loss_fn, precision):
+    """One training step under MemTracker; the peak snapshot after each phase, our categories."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    _skip_frozen_grad_hooks(tracker, model)
+    tracker.track_external(model, opt, batch)
+    snaps = _Snapshots(tracker)
+    with tracker:
+        _step(model, opt, batch, loss_fn, precision, snaps)
+    return [(phase, _categories(snap)) for phase, snap in snaps]
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen_grad_hooks(tracker, model) -> None:
+    """MemTracker (torch 2.13) registers a gradient hook on every parameter and so raises on a
+    frozen one ("cannot register a hook on a tensor that doesn't require gradient"). Mark frozen
+    parameters as already hooked; they never get a gradient, so nothing is lost."""
+    handles = getattr(tracker, "_param_to_grad_hook_handles", None)
+    if handles is None:  # a later torch: let MemTracker do it its own way
+        return
+    for p in model.parameters():
+        if not p.requires_grad:
+            handles[p] = (_NoHook(), _NoHook())
+
+
+def _categories(snapshot) -> dict[str, int]:
+    out = dict.fromkeys(("params", "buffers", "grads", "optimizer", "activations", "temp"), 0)
+    total = 0
+    for dev_snap in snapshot.values():
+        for key, value in dev_snap.items():
+            name = getattr(key, "value", key)
+            if name == "Total":
+                total += value
+            elif name in _CATEGORY:
+                out[_CATEGORY[name]] += value
+    out["total"] = total
+    return out
+
+
+def model_stats_of(model) -> ModelStats:
+    """Parameter facts of an ``nn.Module`` (works on fake and meta tensors).
+
+    Tied weights count once (``parameters()`` deduplicates); frozen parameters are not
+    trainable; ``param_numels`` lists the trainable ones in reverse registration order (DDP's
+    bucket order); the largest unit is the largest direct child, or the largest element of a
+    direct ``ModuleList``/``Sequential`` child (a transformer block).
+    """
+    import torch
+
+    params = list(model.parameters())
+    num = sum(p.numel() for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    units = []
+    for child in model.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) and len(child) > 1:
+            units.extend(child.children())
+        else:
+            units.append(child)
+    largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=num) or num
+    return ModelStats(num_params=num, num_trainable_params=sum(p.numel() for p in trainable),
+                      buffer_bytes=buffers, largest_unit_params=largest,
+                      param_numels=tuple(p.numel() for p in reversed(trainable)),
+                      param_bytes_override=sum(p.numel() * p.element_size() for p in params))
+
+
+def _result(runs, stats, loss_desc, mode, precision, optimizer, errors, elapsed) -> TraceResult:
+    fits = []
+    for b, snaps in runs:
+        upto_bw = max((s for ph, s in snaps if ph != "optimizer"), key=lambda s: s["total"])
+        static = upto_bw["params"] + upto_bw["buffers"] + upto_bw["optimizer"]
+        fits.append((b, upto_bw["total"] - static))
+    (b1, a1), (b2, a2) = fits[0], fits[1]
+    per_sample = (a2 - a1) / (b2 - b1) if b2 != b1 else a1 / b1
+    fixed = max(0, int(round(a1 - per_sample * b1)))
+    b, snaps = runs[0]
+    peak_snap = max((s for _, s in snaps), key=lambda s: s["total"])
+    phase = next(ph for ph, s in snaps if s["total"] == peak_snap["total"])
+    breakdown = {k: v for k, v in peak_snap.items() if k != "total"}
+    notes = [f"traced under {'FakeTensorMode' if mode == 'fake' else 'the meta device'} "
+             f"with MemTracker at micro-batches {b1} and {b2}",
+             f"loss: {loss_desc}",
+             f"activations(b) = {fixed} + {per_sample:.1f} * b bytes "
+             f"(backward-side peak less params, buffers, optimizer state)"]
+    warnings = [f"fake device failed, used meta: {e}" for e in errors]
+    if per_sample <= 0:
+        warnings.append("activations did not grow with the micro-batch: check that the sample "
+                        "factory's batch dimension is dim 0")
+    profile = ActivationProfile(bytes_per_sample=max(per_sample, 0.0), fixed_bytes=fixed,
+                                temp_bytes=max(0, peak_snap["optimizer"] - runs[0][1][0][1]
+                                               ["optimizer"]) if phase == "optimizer" else 0,
+                                source="traced", notes=tuple(notes))
+    for w in warnings:
+        log.warning("trace: %s", w)
+    return TraceResult(model_stats=stats, activations=profile, micro_batch=b,
+                       peak_bytes=peak_snap["total"], peak_phase=phase, breakdown=breakdown,
+                       peaks_by_micro_batch={bb: max(s["total"] for _, s in sn)
+                                             for bb, sn in runs},
+                       trace_s=elapsed, mode=mode, precision=precision, optimizer=optimizer,
+                       loss=loss_desc, notes=tuple(notes), warnings=tuple(warnings))
