@@ -1,0 +1,396 @@
+"""The step gate: per-rank rules that turn step statistics into decisions (pure).
+
+:class:`StepGate` sees one :class:`~raytrain_guard.core.steps.StepStats` per step and returns
+:class:`~raytrain_guard.core.decisions.Decision` values with their reasons. It never acts:
+the :class:`~raytrain_guard.runtime.step_guard.StepGuard` (an adapter) applies the local ones.
+
+Rules, every threshold from :class:`~raytrain_guard.config.GuardConfig`:
+
+* **Watermark.** ``memory_frac >= memory_watermark_frac`` (0.88) -> ``RELEASE_CACHE``, once per
+  crossing: the rule re-arms only when the fraction falls below ``memory_watermark_frac -
+  memory_hysteresis_frac`` (0.85), and two releases are at least
+  ``release_cache_min_interval_s`` apart on the gate's clock.
+* **Critical.** ``memory_frac >= memory_critical_frac`` (0.90), or, above the watermark, a
+  least-squares line through the last ``memory_trend_steps`` readings that reaches 0.90 within
+  ``memory_predict_steps`` steps -> ``CHECKPOINT_AND_STOP``, at most once per gate. The worker
+  is alone here; the cluster layer may turn the same signal into a cluster action.
+* **Slow steps.** A step is slow when ``total_s`` exceeds ``slow_step_abs_s`` (when set) or
+  ``slow_step_factor`` x the median of the last ``step_window`` steps (at least three of them).
+  ``num_slow_steps`` slow steps in a row -> one ``SLOW_STEP`` event per run of slow steps,
+  with the cause of the component that grew most against its own recent median: data wait
+  -> ``DATA``, compute (forward + backward + optimizer) -> ``COMPUTE``, communication wait
+  -> ``COMMUNICATION`` (so communication is named only when compute grew less than it).
+  Under DDP, a rank whose compute grew is a straggler; a rank whose communication wait grew is
+  waiting on another rank or on the link. The first ``slow_step_warmup_steps`` steps are ignored.
+* **Pacing** (off unless ``pacing_enabled``): crossing the watermark -> ``PACE`` with
+  ``params={"delay_s": pacing_delay_s}``; falling below the re-arm line -> ``PACE`` with
+  ``delay_s`` 0. Decisions are changes of state; the adapter sleeps every step meanwhile.
+
+:func:`attribute_across_ranks` compares ranks with each other (the coordinator's view): the
+rank whose compute exceeds the others' is the straggler, and the ranks that wait in
+communication longer than the least-waiting rank are waiting on it.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.decisions import Action, Cause, Decision
+from raytrain_guard.core.steps import StepStats
+from raytrain_guard.errors import InputError
+
+_STATE_VERSION = 1
+_MIN_MEDIAN_POINTS = 3      # a median of fewer than three steps is one of them, not a baseline
+
+
+class StepGate:
+    """Per-rank rules over step statistics; returns decisions, never acts (pure).
+
+    ``clock`` (seconds, monotonic) spaces cache releases; tests pass a fake one.
+    ``memory_cause`` is the resource the memory fraction measures (device memory on CUDA,
+    host memory against a CPU budget).
+    """
+
+    def __init__(self, config: GuardConfig, *, clock: Callable[[], float] = time.monotonic,
+                 memory_cause: Cause = Cause.DEVICE_MEMORY) -> None:
+        if not isinstance(config, GuardConfig):
+            raise InputError("config", "must be a GuardConfig", value=type(config).__name__,
+                             fix="pass raytrain_guard.GuardConfig(...)")
+        self.config = config
+        self._clock = clock
+        self._memory_cause = Cause(memory_cause)
+        self._window: deque[StepStats] = deque(maxlen=config.step_window)
+        self._memory: deque[float] = deque(maxlen=config.memory_trend_steps)
+        self._run: list[StepStats] = []          # the current run of consecutive slow steps
+        self._run_reported = False
+        self._num_seen = 0
+        self._armed = True                       # watermark rule may fire
+        self._last_release_s: float | None = None
+        self._stopped = False                    # CHECKPOINT_AND_STOP already decided
+        self._pacing = False
+        self._next_id = 1
+
+    # -- public ------------------------------------------------------------------------------
+    def observe(self, stats: StepStats) -> list[Decision]:
+        """Feed one step; returns the decisions it triggers (often none)."""
+        decisions: list[Decision] = []
+        if stats.memory_frac is not None:
+            decisions += self.observe_memory(stats.step, stats.memory_frac,
+                                             world_rank=stats.world_rank)
+        decisions += self._observe_timing(stats)
+        return decisions
+
+    def observe_memory(self, step: int, memory_frac: float, *,
+                       world_rank: int = 0) -> list[Decision]:
+        """The memory rules alone, for a reading whose step timings are not known yet."""
+        cfg = self.config
+        frac = float(memory_frac)
+        self._memory.append(frac)
+        where = f"rank {world_rank} step {step}"
+        rearm_below = cfg.memory_watermark_frac - cfg.memory_hysteresis_frac
+        decisions: list[Decision] = []
+        if not self._armed and frac < rearm_below:
+            self._armed = True
+        if frac >= cfg.memory_watermark_frac and self._armed and self._release_spaced():
+            self._armed = False
+            self._last_release_s = self._clock()
+            decisions.append(self._decide(
+                Action.RELEASE_CACHE, self._memory_cause,
+                f"{where}: memory at {frac:.1%} >= watermark {cfg.memory_watermark_frac:.0%}; "
+                f"release cached blocks (re-arms below {rearm_below:.0%})"))
+        if not self._stopped:
+            reason = self._critical_reason(frac)
+            if reason is not None:
+                self._stopped = True
+                decisions.append(self._decide(Action.CHECKPOINT_AND_STOP, self._memory_cause,
+                                              f"{where}: {reason}; checkpoint and stop before "
+                                              f"running out of memory"))
+        if cfg.pacing_enabled:
+            if not self._pacing and frac >= cfg.memory_watermark_frac:
+                self._pacing = True
+                decisions.append(self._decide(
+                    Action.PACE, self._memory_cause,
+                    f"{where}: memory at {frac:.1%} >= watermark; pace each step by "
+                    f"{cfg.pacing_delay_s:g} s", delay_s=cfg.pacing_delay_s))
+            elif self._pacing and frac < rearm_below:
+                self._pacing = False
+                decisions.append(self._decide(
+                    Action.PACE, self._memory_cause,
+                    f"{where}: memory at {frac:.1%} < {rearm_below:.0%}; stop pacing",
+                    delay_s=0.0))
+        return decisions
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-able) to checkpoint the gate. The release spacing restarts on load:
+        a monotonic clock reading means nothing in another process."""
+        return {
+            "version": _STATE_VERSION,
+            "window": [s.to_dict() for s in self._window],
+            "memory": list(self._memory),
+            "run": [s.to_dict() for s in self._run],
+            "run_reported": self._run_reported,
+            "num_seen": self._num_seen,
+            "armed": self._armed,
+            "stopped": self._stopped,
+            "pacing": self._pacing,
+            "next_id": self._next_id,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state.get("version") != _STATE_VERSION:
+            raise InputError("state['version']", "unknown gate state version",
+                             value=state.get("version"),
+                             fix=f"pass a state_dict() of this StepGate (version {_STATE_VERSION})")
+        self._window = deque((StepStats.from_dict(d) for d in state["window"]),
+                             maxlen=self.config.step_window)
+        self._memory = deque((float(x) for x in state["memory"]),
+                             maxlen=self.config.memory_trend_steps)
+        self._run = [StepStats.from_dict(d) for d in state["run"]]
+        self._run_reported = bool(state["run_reported"])
+        self._num_seen = int(state["num_seen"])
+        self._armed = bool(state["armed"])
+        self._stopped = bool(state["stopped"])
+        self._pacing = bool(state["pacing"])
+        self._next_id = int(state["next_id"])
+        self._last_release_s = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether CHECKPOINT_AND_STOP was decided already."""
+        return self._stopped
+
+    # -- memory ------------------------------------------------------------------------------
+    def _release_spaced(self) -> bool:
+        if self._last_release_s is None:
+            return True
+        return self._clock() - self._last_release_s >= self.config.release_cache_min_interval_s
+
+    def _critical_reason(self, frac: float) -> str | None:
+        cfg = self.config
+        if frac >= cfg.memory_critical_frac:
+            return f"memory at {frac:.1%} >= critical {cfg.memory_critical_frac:.0%}"
+        if (cfg.memory_predict_steps == 0 or frac < cfg.memory_watermark_frac
+                or len(self._memory) < min(_MIN_MEDIAN_POINTS, cfg.memory_trend_steps)):
+            return None
+        slope = _slope(list(self._memory))
+        predicted = frac + slope * cfg.memory_predict_steps
+        if slope > 0 and predicted >= cfg.memory_critical_frac:
+            return (f"memory at {frac:.1%} rising {slope:.2%} per step, {predicted:.1%} predicted "
+                    f"in {cfg.memory_predict_steps} steps >= critical "
+                    f"{cfg.memory_critical_frac:.0%}")
+        return None
+
+    # -- timing ------------------------------------------------------------------------------
+    def _observe_timing(self, stats: StepStats) -> list[Decision]:
+        cfg = self.config
+        self._num_seen += 1
+        if self._num_seen <= cfg.slow_step_warmup_steps:
+            return []
+        threshold_s, rule = self._threshold(stats)
+        decisions: list[Decision] = []
+        if threshold_s is not None and stats.total_s > threshold_s:
+            self._run.append(stats)
+            if len(self._run) >= cfg.num_slow_steps and not self._run_reported:
+                self._run_reported = True
+                decisions.append(self._slow_step_decision(stats, threshold_s, rule))
+        else:
+            self._run.clear()
+            self._run_reported = False
+        self._window.append(stats)
+        return decisions
+
+    def _threshold(self, stats: StepStats) -> tuple[float | None, str]:
+        """The slow-step threshold for this step: the lower of the set rules."""
+        cfg = self.config
+        candidates: list[tuple[float, str]] = []
+        if cfg.slow_step_abs_s is not None:
+            candidates.append((cfg.slow_step_abs_s, f"absolute {cfg.slow_step_abs_s:g} s"))
+        if len(self._window) >= _MIN_MEDIAN_POINTS:
+            median_s = statistics.median(s.total_s for s in self._window)
+            candidates.append((cfg.slow_step_factor * median_s,
+                               f"{cfg.slow_step_factor:g} x recent median {median_s:.4f} s"))
+        if not candidates:
+            return None, ""
+        return min(candidates)
+
+    def _slow_step_decision(self, stats: StepStats, threshold_s: float, rule: str) -> Decision:
+        run_steps = {s.step for s in self._run}
+        baseline = [s for s in self._window if s.step not in run_steps]
+        cause, detail = attribute_slow_steps(self._run, baseline)
+        first, last = self._run[0].step, self._run[-1].step
+        run_median = statistics.median(s.total_s for s in self._run)
+        reason = (f"rank {stats.world_rank} steps {first}-{last}: {len(self._run)} slow steps in "
+                  f"a row (median {run_median:.4f} s > {threshold_s:.4f} s, {rule}); {detail}")
+        return self._decide(Action.SLOW_STEP, cause, reason, num_steps=len(self._run),
+                            threshold_s=threshold_s, median_s=run_median)
+
+    def _decide(self, action: Action, cause: Cause, reason: str, **params: Any) -> Decision:
+        decision = Decision(action, reason, None, cause, "rank", params, self._next_id)
+        self._next_id += 1
+        return decision
+
+
+# -- attribution -------------------------------------------------------------------------------
+_COMPONENTS = (  # order breaks ties
+    (Cause.DATA, "data wait", lambda s: s.data_wait_s),
+    (Cause.COMPUTE, "compute", lambda s: s.compute_s),
+    (Cause.COMMUNICATION, "communication wait", lambda s: s.comm_wait_s),
+)
+
+
+def attribute_slow_steps(slow: Sequence[StepStats],
+                         baseline: Sequence[StepStats]) -> tuple[Cause, str]:
+    """Cause of a run of slow steps on one rank: the component that grew most (median of the
+    run minus median of the baseline, in seconds). UNKNOWN when none grew, or when the untimed
+    rest of the step grew more than any of them."""
+    if not slow:
+        raise InputError("slow", "is empty", value=[], fix="pass at least one slow step")
+    if not baseline:
+        return Cause.UNKNOWN, "no baseline steps to compare with"
+    growth = []
+    for cause, name, get in _COMPONENTS:
+        before = statistics.median(get(s) for s in baseline)
+        after = statistics.median(get(s) for s in slow)
+        growth.append((after - before, cause, name, before, after))
+    total_growth = (statistics.median(s.total_s for s in slow)
+                    - statistics.median(s.total_s for s in baseline))
+    untimed = total_growth - sum(g[0] for g in growth)
+    text = ", ".join(f"{name} {g:+.4f} s ({b:.4f} -> {a:.4f})" for g, _, name, b, a in growth)
+    best = max(growth, key=lambda g: g[0])   # max keeps the first of equals: data, compute, comm
+    if best[0] <= 0 or untimed > best[0]:
+        return Cause.UNKNOWN, f"no timed phase explains it ({text}, untimed {untimed:+.4f} s)"
+    return best[1], f"{best[2]} grew most: {text}"
+
+
+class RankRole(str, enum.Enum):
+    """A rank's role in a cross-rank comparison."""
+
+    STRAGGLER_COMPUTE = "straggler_compute"
+    STRAGGLER_DATA = "straggler_data"
+    WAITING = "waiting"
+    NORMAL = "normal"
+
+
+@dataclass(frozen=True)
+class RankAttribution:
+    """One rank's role, with the medians it was judged on and the reason."""
+
+    world_rank: int
+    role: RankRole
+    reason: str
+    total_s: float = 0.0
+    data_wait_s: float = 0.0
+    compute_s: float = 0.0
+    comm_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _RankMedians:
+    world_rank: int
+    total_s: float
+    data_wait_s: float
+    compute_s: float
+    comm_wait_s: float
+
+
+def attribute_across_ranks(windows: Sequence[Iterable[StepStats]], *,
+                           straggler_frac: float = GuardConfig.straggler_frac
+                           ) -> list[RankAttribution]:
+    """Name the straggler among ranks from each rank's recent StepStats window (pure).
+
+    Per rank, the medians of total, data wait, compute and communication wait. With ``thr =
+    straggler_frac`` x the other ranks' median step time, a rank whose compute (or data wait)
+    exceeds the other ranks' median by more than ``thr`` is a compute (data) straggler; any
+    other rank whose communication wait exceeds the least one among ranks by more than ``thr``
+    is waiting (under DDP the straggler waits least and the others wait for it). One result
+    per window, in order; ``world_rank`` is taken from the stats (the position when empty).
+    """
+    if not 0 < straggler_frac:
+        raise InputError("straggler_frac", "must be > 0", value=straggler_frac,
+                         fix="pass a fraction such as 0.1")
+    medians: list[_RankMedians | None] = []
+    for index, window in enumerate(windows):
+        steps = list(window)
+        if not steps:
+            medians.append(None)
+            continue
+        medians.append(_RankMedians(
+            steps[0].world_rank,
+            statistics.median(s.total_s for s in steps),
+            statistics.median(s.data_wait_s for s in steps),
+            statistics.median(s.compute_s for s in steps),
+            statistics.median(s.comm_wait_s for s in steps)))
+    known = [m for m in medians if m is not None]
+    roles = [_role(m, known, straggler_frac) if m is not None else None for m in medians]
+    stragglers = [r.world_rank for r in roles if r is not None and r.role in
+                  (RankRole.STRAGGLER_COMPUTE, RankRole.STRAGGLER_DATA)]
+    out = []
+    for index, (m, role) in enumerate(zip(medians, roles)):
+        if m is None:
+            out.append(RankAttribution(index, RankRole.NORMAL, f"rank at position {index}: "
+                                       f"no steps reported"))
+        elif role.role is RankRole.WAITING and stragglers:
+            on = ", ".join(str(r) for r in stragglers)
+            out.append(RankAttribution(role.world_rank, role.role,
+                                       f"{role.reason}; waiting on rank {on}",
+                                       *_figures(m)))
+        else:
+            out.append(role)
+    return out
+
+
+def _role(m: _RankMedians, ranks: Sequence[_RankMedians], frac: float) -> RankAttribution:
+    others = [o for o in ranks if o is not m]
+    figures = _figures(m)
+    if not others:
+        return RankAttribution(m.world_rank, RankRole.NORMAL, f"rank {m.world_rank}: the only "
+                               f"rank reporting, nothing to compare with", *figures)
+    ref_total = statistics.median(o.total_s for o in others)
+    thr = frac * ref_total
+    compute_gap = m.compute_s - statistics.median(o.compute_s for o in others)
+    data_gap = m.data_wait_s - statistics.median(o.data_wait_s for o in others)
+    least_wait = min(r.comm_wait_s for r in ranks)
+    wait_gap = m.comm_wait_s - least_wait
+    tail = (f"(threshold {thr:.4f} s = {frac:g} x others' median step {ref_total:.4f} s)")
+    if max(compute_gap, data_gap) > thr:
+        if compute_gap >= data_gap:
+            return RankAttribution(
+                m.world_rank, RankRole.STRAGGLER_COMPUTE,
+                f"rank {m.world_rank}: compute {m.compute_s:.4f} s is {compute_gap:+.4f} s over "
+                f"the other ranks' median {tail}; it waits {m.comm_wait_s:.4f} s in "
+                f"communication", *figures)
+        return RankAttribution(
+            m.world_rank, RankRole.STRAGGLER_DATA,
+            f"rank {m.world_rank}: data wait {m.data_wait_s:.4f} s is {data_gap:+.4f} s over "
+            f"the other ranks' median {tail}", *figures)
+    if wait_gap > thr:
+        return RankAttribution(
+            m.world_rank, RankRole.WAITING,
+            f"rank {m.world_rank}: waits {m.comm_wait_s:.4f} s in communication, "
+            f"{wait_gap:+.4f} s over the least-waiting rank {tail}", *figures)
+    return RankAttribution(m.world_rank, RankRole.NORMAL,
+                           f"rank {m.world_rank}: within {thr:.4f} s of the others {tail}",
+                           *figures)
+
+
+def _figures(m: _RankMedians) -> tuple[float, float, float, float]:
+    return m.total_s, m.data_wait_s, m.compute_s, m.comm_wait_s
+
+
+def _slope(values: Sequence[float]) -> float:
+    """Least-squares slope of ``values`` against their index (per step)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean_x = (n - 1) / 2
+    mean_y = sum(values) / n
+    num = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(values))
+    den = sum((i - mean_x) ** 2 for i in range(n))
+    return num / den

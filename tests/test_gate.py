@@ -1,0 +1,292 @@
+"""Unit tests of the pure step gate (raytrain_guard.core.gate): a fake clock, scripted numbers.
+
+Memory rules use GuardConfig defaults unless a case says otherwise: watermark 0.88, critical
+0.90, hysteresis 0.03 (re-arm below 0.85), release spacing 5 s, trend over 5 readings,
+prediction 3 steps ahead. Timing rules: warmup 2 steps, slow = 1.5 x recent median, 3 in a row.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.decisions import Action, Cause
+from raytrain_guard.core.gate import (RankRole, StepGate, attribute_across_ranks,
+                                      attribute_slow_steps)
+from raytrain_guard.core.steps import StepStats
+from raytrain_guard.errors import InputError
+
+
+class FakeClock:
+    def __init__(self, step_s: float = 10.0) -> None:
+        self.now = 0.0
+        self.step_s = step_s
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def feed_memory(gate: StepGate, clock: FakeClock, fracs):
+    """{index: [actions]} for every reading that triggered something."""
+    out = {}
+    for i, frac in enumerate(fracs):
+        got = gate.observe_memory(i, frac)
+        if got:
+            out[i] = [d.action for d in got]
+        clock.now += clock.step_s
+    return out
+
+
+R, S, P = Action.RELEASE_CACHE, Action.CHECKPOINT_AND_STOP, Action.PACE
+
+MEMORY_CASES = [
+    # (name, config changes, seconds per step, fractions, expected {index: actions})
+    # Hysteresis: release at 0.88 (index 1); 0.89/0.87/0.86/0.89 stay >= 0.85 so no re-arm;
+    # 0.84 < 0.85 re-arms; 0.88 at index 7 releases again. Prediction off to isolate it.
+    ("hysteresis", {"memory_predict_steps": 0}, 10.0,
+     [0.80, 0.88, 0.89, 0.87, 0.86, 0.89, 0.84, 0.88], {1: [R], 7: [R]}),
+    # Spacing: 1 s per step, releases >= 5 s apart: index 0 (t=0) releases, 0.80 re-arms,
+    # t=2,3,4 are too soon (still armed), t=5 releases.
+    ("release spacing", {"memory_predict_steps": 0}, 1.0,
+     [0.89, 0.80, 0.89, 0.89, 0.89, 0.89, 0.89], {0: [R], 5: [R]}),
+    # Critical once: 0.90 >= 0.90 stops (and releases: first crossing); 0.95 and, after
+    # re-arming at 0.80, 0.92 release again but never stop twice.
+    ("critical escalates once", {"memory_predict_steps": 0}, 10.0,
+     [0.85, 0.90, 0.95, 0.80, 0.92], {1: [R, S], 4: [R]}),
+    # Trend: readings 0.80 0.83 0.86 0.88 (x = 0..3, means 1.5 and 0.8425): slope =
+    # (1.5*.0425 + .5*.0125 + .5*.0175 + 1.5*.0375) / (2.25+.25+.25+2.25) = .135/5 = 0.027 per
+    # step; 0.88 + 3 * 0.027 = 0.961 >= 0.90 -> stop at index 3, before any reading hits 0.90.
+    ("trend predicts critical", {}, 10.0, [0.80, 0.83, 0.86, 0.88], {3: [R, S]}),
+    # Flat at 0.88: slope 0 -> 0.88 predicted, below critical: release only.
+    ("flat above watermark", {}, 10.0, [0.88, 0.88, 0.88, 0.88], {0: [R]}),
+    # Rising but below the watermark: the prediction only looks above it.
+    ("rising below watermark", {}, 10.0, [0.70, 0.75, 0.80, 0.85], {}),
+    ("pacing off by default", {"memory_predict_steps": 0}, 10.0,
+     [0.80, 0.89, 0.89, 0.84], {1: [R]}),
+    # Pacing on: start at the crossing (delay 0.05), stop once below 0.85.
+    ("pacing when enabled", {"memory_predict_steps": 0, "pacing_enabled": True}, 10.0,
+     [0.80, 0.89, 0.89, 0.84], {1: [R, P], 3: [P]}),
+]
+
+
+@pytest.mark.parametrize("name,changes,step_s,fracs,expected", MEMORY_CASES,
+                         ids=[c[0] for c in MEMORY_CASES])
+def test_memory_rules(name, changes, step_s, fracs, expected):
+    clock = FakeClock(step_s)
+    gate = StepGate(GuardConfig(**changes), clock=clock)
+    assert feed_memory(gate, clock, fracs) == expected
+
+
+def test_pacing_params_and_reasons():
+    clock = FakeClock()
+    gate = StepGate(GuardConfig(pacing_enabled=True, memory_predict_steps=0), clock=clock)
+    start = [d for d in gate.observe_memory(5, 0.89) if d.action is P][0]
+    stop = [d for d in gate.observe_memory(6, 0.84) if d.action is P][0]
+    assert start.params["delay_s"] == 0.05 and stop.params["delay_s"] == 0.0
+    assert "89.0%" in start.reason and "step 5" in start.reason
+    assert start.cause is Cause.DEVICE_MEMORY
+
+
+def test_stop_reason_names_prediction_and_cause():
+    gate = StepGate(GuardConfig(), clock=FakeClock(), memory_cause=Cause.HOST_MEMORY)
+    decisions = []
+    for i, frac in enumerate([0.80, 0.83, 0.86, 0.88]):
+        decisions += gate.observe_memory(i, frac, world_rank=3)
+    stop = [d for d in decisions if d.action is S][0]
+    assert stop.cause is Cause.HOST_MEMORY
+    assert "rank 3 step 3" in stop.reason and "96.1% predicted in 3 steps" in stop.reason
+    assert gate.stopped
+
+
+# -- slow steps ---------------------------------------------------------------------------------
+NORMAL = dict(total_s=0.100, data_wait_s=0.010, forward_s=0.030, backward_s=0.040,
+              optimizer_s=0.010, comm_wait_s=0.010)
+# Slow variants: each adds 0.100 s to one component (and to the total): 0.200 > 1.5 x 0.100.
+SLOW = {
+    "data": dict(NORMAL, total_s=0.200, data_wait_s=0.110),
+    "compute": dict(NORMAL, total_s=0.200, forward_s=0.130),
+    "comm": dict(NORMAL, total_s=0.200, comm_wait_s=0.110),
+    "untimed": dict(NORMAL, total_s=0.200),
+}
+
+
+def feed_steps(gate: StepGate, kinds):
+    """Feed steps ('n' normal, or a SLOW key); return [(index, decision)] of SLOW_STEP events."""
+    out = []
+    for i, kind in enumerate(kinds):
+        fields = NORMAL if kind == "n" else SLOW[kind]
+        for d in gate.observe(StepStats(step=i, **fields)):
+            out.append((i, d))
+    return out
+
+
+WARM = ["n"] * 2 + ["n"] * 6    # 2 warmup steps, then a baseline of 6 normal steps (median 0.1)
+
+SLOW_CASES = [
+    # (name, config changes, kinds, expected [(index, cause)])
+    ("data grew", {}, WARM + ["data"] * 3, [(10, Cause.DATA)]),
+    ("compute grew", {}, WARM + ["compute"] * 3, [(10, Cause.COMPUTE)]),
+    ("comm grew, compute did not", {}, WARM + ["comm"] * 3, [(10, Cause.COMMUNICATION)]),
+    ("only untimed time grew", {}, WARM + ["untimed"] * 3, [(10, Cause.UNKNOWN)]),
+    ("a single slow step is not an event", {}, WARM + ["compute", "n", "n", "compute", "n"], []),
+    ("two in a row are not three", {}, WARM + ["data", "data", "n", "data", "data", "n"], []),
+    # Six slow steps in a row: one event per run.
+    ("once per run", {}, WARM + ["data"] * 6, [(10, Cause.DATA)]),
+    # A run of 3, four normal steps, another run of 3 (median still 0.1: 10 normal vs 3 slow).
+    ("a new run is a new event", {}, WARM + ["data"] * 3 + ["n"] * 4 + ["compute"] * 3,
+     [(10, Cause.DATA), (17, Cause.COMPUTE)]),
+    # A lasting slowdown becomes the new normal: after 6 slow steps the window (6 x 0.1,
+    # 6 x 0.2) has median 0.15, threshold 0.225, so later 0.2 s steps are not slow.
+    ("lasting slowdown becomes the baseline", {}, WARM + ["data"] * 6 + ["n"] + ["data"] * 3,
+     [(10, Cause.DATA)]),
+    ("num_slow_steps=2", {"num_slow_steps": 2}, WARM + ["comm"] * 2, [(9, Cause.COMMUNICATION)]),
+    # Warmup: the first two steps (slow) are ignored, not even in the median.
+    ("warmup ignored", {}, ["compute", "compute"] + ["n"] * 6, []),
+]
+
+
+@pytest.mark.parametrize("name,changes,kinds,expected", SLOW_CASES,
+                         ids=[c[0] for c in SLOW_CASES])
+def test_slow_step_rules(name, changes, kinds, expected):
+    gate = StepGate(GuardConfig(**changes), clock=FakeClock())
+    got = feed_steps(gate, kinds)
+    assert [(i, d.cause) for i, d in got] == expected
+    assert all(d.action is Action.SLOW_STEP for _, d in got)
+
+
+def test_absolute_threshold_without_baseline():
+    # slow_step_abs_s 0.05: after the 2 warmup steps, steps of 0.06 s are slow at once (no
+    # median yet: fewer than 3 steps in the window) -> event at the 3rd judged step (index 4).
+    gate = StepGate(GuardConfig(slow_step_abs_s=0.05), clock=FakeClock())
+    events = []
+    for i in range(6):
+        events += [(i, d) for d in gate.observe(StepStats(step=i, total_s=0.06,
+                                                          forward_s=0.05))]
+    assert [i for i, _ in events] == [4]
+    assert "absolute 0.05 s" in events[0][1].reason
+    assert "steps 2-4" in events[0][1].reason
+
+
+def test_absolute_threshold_lower_than_relative():
+    # Median 0.1 -> relative threshold 0.15; absolute 0.12 is lower and wins: 0.13 s is slow.
+    gate = StepGate(GuardConfig(slow_step_abs_s=0.12), clock=FakeClock())
+    got = feed_steps(gate, WARM)
+    for i in range(3):
+        got += gate.observe(StepStats(step=100 + i, **dict(NORMAL, total_s=0.13,
+                                                           forward_s=0.06)))
+    assert len(got) == 1 and got[0].cause is Cause.COMPUTE and "0.1200 s" in got[0].reason
+
+
+def test_slow_step_reason_has_the_numbers():
+    gate = StepGate(GuardConfig(), clock=FakeClock())
+    (_, d), = feed_steps(gate, WARM + ["data"] * 3)
+    # threshold 1.5 x 0.1 = 0.15; data wait median 0.010 -> 0.110 (+0.1000)
+    assert "rank 0 steps 8-10: 3 slow steps in a row" in d.reason
+    assert "0.1500 s" in d.reason and "data wait +0.1000 s (0.0100 -> 0.1100)" in d.reason
+    assert d.params["num_steps"] == 3
+
+
+def test_attribute_slow_steps_without_baseline_is_unknown():
+    cause, detail = attribute_slow_steps([StepStats(step=0, total_s=1.0)], [])
+    assert cause is Cause.UNKNOWN and "no baseline" in detail
+
+
+# -- state ------------------------------------------------------------------------------------
+def test_state_dict_round_trip_gives_the_same_decisions():
+    # Release spacing 0: the spacing clock restarts on load by design (monotonic clocks do not
+    # cross processes), everything else must carry over.
+    config = GuardConfig(pacing_enabled=True, release_cache_min_interval_s=0.0)
+    kinds = WARM + ["data"] * 2          # mid-run: two slow steps seen, the third comes later
+    fracs = [0.80, 0.88, 0.89, 0.87, 0.86, 0.89, 0.84, 0.83, 0.86, 0.87]
+    rest_kinds, rest_fracs = ["data", "n", "compute", "compute", "compute"], \
+        [0.88, 0.89, 0.90, 0.70, 0.70]
+
+    def stats(kind, i, frac):
+        return StepStats(step=i, memory_frac=frac, **(NORMAL if kind == "n" else SLOW[kind]))
+
+    whole = StepGate(config, clock=FakeClock())
+    for i, (k, f) in enumerate(zip(kinds, fracs)):
+        whole.observe(stats(k, i, f))
+    saved = json.loads(json.dumps(whole.state_dict()))     # JSON-able
+    restored = StepGate(config, clock=FakeClock())
+    restored.load_state_dict(saved)
+    a, b = [], []
+    for j, (k, f) in enumerate(zip(rest_kinds, rest_fracs)):
+        a += whole.observe(stats(k, 100 + j, f))
+        b += restored.observe(stats(k, 100 + j, f))
+    assert [d.to_dict() for d in a] == [d.to_dict() for d in b]
+    # Before the save: release + pace at 0.88 (index 1); at 0.89 (index 2) the trend through
+    # 0.80 0.88 0.89 (slope 0.045/step) predicts 1.025 -> stopped; 0.84 re-armed, pacing ended.
+    # After: 0.88 releases and paces again (never a second stop), the data run completes
+    # (SLOW_STEP), 0.70 ends pacing, the compute run of 3 completes (SLOW_STEP).
+    assert whole.stopped and restored.stopped
+    assert [d.action for d in a] == [R, P, Action.SLOW_STEP, P, Action.SLOW_STEP]
+    assert restored.state_dict() == whole.state_dict()
+
+
+def test_load_state_dict_rejects_unknown_version():
+    with pytest.raises(InputError, match="version"):
+        StepGate(GuardConfig()).load_state_dict({"version": 99})
+
+
+def test_config_must_be_guardconfig():
+    with pytest.raises(InputError, match="config"):
+        StepGate({"memory_watermark_frac": 0.9})
+
+
+# -- across ranks -------------------------------------------------------------------------------
+def window(rank, *, compute, comm, data=0.005, n=5):
+    # forward+backward+optimizer = compute; total = data + compute + comm
+    return [StepStats(step=s, total_s=data + compute + comm, data_wait_s=data,
+                      forward_s=compute / 2, backward_s=compute / 2, comm_wait_s=comm,
+                      world_rank=rank) for s in range(n)]
+
+
+def test_cross_rank_names_compute_straggler_as_least_waiting():
+    # DDP equalizes: rank 1 computes 0.200 s and waits 0.002 s; rank 0 computes 0.100 s and
+    # waits 0.102 s for it. Rank 1: compute gap +0.100 > 0.1 x 0.207 = 0.0207 -> straggler.
+    # Rank 0: compute gap -0.100; waits 0.100 more than rank 1 > 0.1 x 0.207 -> waiting.
+    roles = attribute_across_ranks([window(0, compute=0.100, comm=0.102),
+                                    window(1, compute=0.200, comm=0.002)])
+    assert [(r.world_rank, r.role) for r in roles] == [(0, RankRole.WAITING),
+                                                       (1, RankRole.STRAGGLER_COMPUTE)]
+    assert "waiting on rank 1" in roles[0].reason
+    assert roles[1].comm_wait_s == pytest.approx(0.002)
+
+
+CROSS_CASES = [
+    # (name, windows as (compute, comm, data), expected roles)
+    ("all equal", [(0.1, 0.01, 0.005)] * 4, ["normal"] * 4),
+    # Rank 2's loader is slow: data 0.105 vs others 0.005 (gap 0.1 > 0.1 x 0.115); the others
+    # wait 0.1 more than rank 2 in communication.
+    ("data straggler", [(0.1, 0.11, 0.005), (0.1, 0.11, 0.005), (0.1, 0.01, 0.105),
+                        (0.1, 0.11, 0.005)],
+     ["waiting", "waiting", "straggler_data", "waiting"]),
+    # Within 10 %: 0.105 vs 0.100 compute (gap 0.005 < 0.0115) -> normal.
+    ("small jitter", [(0.1, 0.01, 0.005), (0.105, 0.005, 0.005)], ["normal", "normal"]),
+    ("one rank", [(0.1, 0.01, 0.005)], ["normal"]),
+]
+
+
+@pytest.mark.parametrize("name,specs,expected", CROSS_CASES, ids=[c[0] for c in CROSS_CASES])
+def test_cross_rank_roles(name, specs, expected):
+    windows = [window(r, compute=c, comm=m, data=d) for r, (c, m, d) in enumerate(specs)]
+    assert [r.role.value for r in attribute_across_ranks(windows)] == expected
+
+
+def test_cross_rank_empty_window_is_normal():
+    roles = attribute_across_ranks([[], window(1, compute=0.1, comm=0.01)])
+    assert roles[0].role is RankRole.NORMAL and "no steps" in roles[0].reason
+
+
+def test_gate_imports_without_torch_ray_psutil():
+    code = ("import sys\n"
+            "for m in ('torch', 'ray', 'psutil', 'pynvml', 'numpy'): sys.modules[m] = None\n"
+            "import raytrain_guard.core.gate as g\n"
+            "from raytrain_guard.config import GuardConfig\n"
+            "g.StepGate(GuardConfig()).observe_memory(0, 0.95)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
