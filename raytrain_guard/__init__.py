@@ -13,9 +13,10 @@ Importing the package is cheap: torch and ray are imported only by the adapters 
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
+from raytrain_guard.core.planner import Plan, plan
 from raytrain_guard.errors import ConfigError, GuardError, InputError
 
 __version__ = "0.1.0"
 
 __all__ = ["GuardConfig", "Action", "Cause", "Decision", "GuardError", "InputError",
-           "ConfigError", "__version__"]
+           "ConfigError", "Plan", "plan", "__version__"]

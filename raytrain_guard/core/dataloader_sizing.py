@@ -68,10 +68,10 @@ def size_dataloader(*, batch_bytes: int, host_memory_bytes: int, gpus_per_node: 
                 + (", or pin_memory=False" if pin_memory else ""))
 
     cores = cpus_per_node // gpus_per_node
-    wanted = cores - 1
+    wanted = max(cores - 1, 0)
     workers = min(max(wanted, config.min_workers_per_gpu), config.max_workers_per_gpu)
-    why = (f"{cpus_per_node} cores / {gpus_per_node} GPUs - 1 for training = {wanted} workers"
-           + (f", clamped to {workers}" if workers != wanted else ""))
+    why = (f"{cpus_per_node} cores // {gpus_per_node} GPUs = {cores} per GPU, - 1 for training "
+           f"= {wanted} workers" + (f", clamped to {workers}" if workers != wanted else ""))
     if wanted < config.min_workers_per_gpu:
         warnings.append(f"only {cores} cores per GPU: {workers} workers (min_workers_per_gpu) "
                         f"share them with the training process")

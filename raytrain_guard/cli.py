@@ -1,0 +1,407 @@
+"""The ``raytrain-guard`` command line.
+
+Each subcommand is one ``add_<name>_command(subparsers)`` function that adds its parser and sets
+``run=<function(args) -> exit code>``; :data:`COMMANDS` lists them. Adding a subcommand is one
+new function and one entry in that tuple.
+
+Exit codes: 0 success (for ``plan``: the plan fits), 1 the plan does not fit, 2 bad input
+(one line on stderr naming the input and the fix; argparse's own errors exit 2 as well).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.errors import GuardError, PlanInputError
+from raytrain_guard.units import format_bytes, parse_bytes, parse_count
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
+
+
+# -- plan ----------------------------------------------------------------------------------------
+
+def add_plan_command(subparsers) -> None:
+    """``raytrain-guard plan``: will the job fit, and with which settings."""
+    p = subparsers.add_parser(
+        "plan", help="capacity plan: does it fit, largest micro-batch, buckets, DataLoader",
+        description="Plan a data-parallel training job: per-GPU memory against the headroom "
+                    "rule, the largest micro-batch, gradient accumulation, DDP bucket_cap_mb and "
+                    "DataLoader sizing. Exit 0 fits, 1 does not fit, 2 bad input.")
+    src = p.add_argument_group("model (one of: --params, --model with --sample, or the shape)")
+    src.add_argument("--params", help="parameter count, e.g. 7.5B or 7.5e9")
+    src.add_argument("--activation-bytes-per-sample", metavar="SIZE",
+                     help="with --params: activation bytes per sample at the peak (e.g. 1.5GiB)")
+    src.add_argument("--model", metavar="MODULE:FACTORY", help="factory returning the nn.Module")
+    src.add_argument("--sample", metavar="MODULE:FACTORY",
+                     help="factory returning one batch (with --model; also measures batch bytes)")
+    src.add_argument("--loss", metavar="MODULE:FN",
+                     help="fn(model, batch) -> scalar loss (default: sum of the output)")
+    src.add_argument("--dataset", metavar="MODULE:FACTORY",
+                     help="factory returning the training Dataset: batch bytes measured from its "
+                          "samples, and a warning when it keeps samples in Python lists")
+    for flag in ("--layers", "--hidden", "--heads", "--seq-len", "--vocab"):
+        src.add_argument(flag, metavar="N", help="transformer shape")
+    src.add_argument("--ffn-hidden", metavar="N", help="MLP hidden size (default 4 x hidden)")
+    src.add_argument("--kv-heads", metavar="N", help="key/value heads (grouped-query attention)")
+    src.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (Llama-style)")
+    src.add_argument("--tied-embeddings", action="store_true", help="output head shares the "
+                     "embedding")
+    src.add_argument("--dropout", action="store_true", help="the model uses dropout")
+
+    run = p.add_argument_group("training")
+    run.add_argument("--micro-batch", metavar="N",
+                     help="samples per rank per step (default: the largest that fits)")
+    run.add_argument("--global-batch", metavar="N", help="samples per optimizer step, all ranks")
+    run.add_argument("--grad-accum", metavar="N", help="micro-steps per optimizer step")
+    run.add_argument("--strategy", default="ddp", help="ddp, zero1, fsdp-grad-op, fsdp-full")
+    run.add_argument("--precision", default="fp32", help="fp32, amp-bf16, bf16-master, bf16")
+    run.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum, adam, adamw")
+    run.add_argument("--recompute", default="none", help="none, selective, full (shape only)")
+    run.add_argument("--attention", default="flash", help="flash, math (shape only)")
+    run.add_argument("--workers", default="1", metavar="N", help="data-parallel ranks in total")
+
+    mach = p.add_argument_group("machine")
+    mach.add_argument("--gpus-per-node", metavar="N",
+                      help="GPUs (ranks) per node (default: CUDA devices here, else 1)")
+    mach.add_argument("--gpu-mem", metavar="SIZE",
+                      help="memory of one GPU, e.g. 80GiB (required without CUDA)")
+    mach.add_argument("--host-mem", metavar="SIZE", help="RAM of one node (default: this machine)")
+    mach.add_argument("--cpus-per-node", metavar="N",
+                      help="CPU cores of one node (default: this machine)")
+    mach.add_argument("--batch-bytes", metavar="SIZE",
+                      help="bytes of one loader batch at the planned micro-batch")
+    mach.add_argument("--no-pin-memory", action="store_true",
+                      help="the DataLoader does not pin batches (no pinned copies counted)")
+    mach.add_argument("--bandwidth-curve", metavar="FILE.json",
+                      help="measured allreduce curve: [[message bytes, seconds], ...]")
+
+    out = p.add_argument_group("output and thresholds")
+    out.add_argument("--headroom", metavar="FRAC",
+                     help="device memory kept free, 0.15 or 15%% (default from the config)")
+    out.add_argument("--config", metavar="FILE.toml", help="GuardConfig TOML file")
+    out.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Build the inputs from the flags, plan, print; exit 0 fits, 1 does not fit."""
+    from raytrain_guard.core.memory_model import TrainingSetup
+    from raytrain_guard.core.planner import plan
+
+    config = _config(args)
+    world = _positive_int(args.workers, "--workers")
+    setup = TrainingSetup(strategy=args.strategy, precision=args.precision,
+                          optimizer=args.optimizer, world_size=world,
+                          micro_batch=_positive_int(args.micro_batch, "--micro-batch", 1),
+                          grad_accum=_positive_int(args.grad_accum, "--grad-accum", 1))
+    global_batch = _positive_int(args.global_batch, "--global-batch", None)
+    if global_batch is not None and args.grad_accum is not None and args.micro_batch is not None:
+        reached = setup.micro_batch * setup.grad_accum * world
+        if reached != global_batch:
+            raise PlanInputError("--global-batch", f"disagrees with --micro-batch x --grad-accum "
+                                 f"x --workers = {reached}", value=global_batch,
+                                 fix="give two of the three, or make them agree")
+    model, activations, extra = _model_source(args, setup)
+    batch_bytes, sample_bytes, list_backed, data_notes = _data_source(args, config)
+    device_mem = _gpu_memory(args)
+    host_mem = _size(args.host_mem, "--host-mem") or _host_memory()
+    cpus = _positive_int(args.cpus_per_node, "--cpus-per-node", None) or os.cpu_count()
+    gpus = _positive_int(args.gpus_per_node, "--gpus-per-node", None) or _local_gpus()
+    result = plan(model=model, activations=activations, setup=setup,
+                  device_memory_bytes=device_mem, host_memory_bytes=host_mem,
+                  cpus_per_node=cpus, gpus_per_node=gpus, global_batch=global_batch,
+                  batch_bytes=batch_bytes, sample_bytes=sample_bytes,
+                  list_backed_dataset=list_backed, bandwidth_curve=_curve(args),
+                  config=config, auto_micro_batch=args.micro_batch is None,
+                  pin_memory=not args.no_pin_memory)
+    data = result.to_dict()
+    data["num_params"] = model.num_params
+    data["num_trainable_params"] = model.num_trainable_params
+    data["gpus_per_node"] = gpus
+    data["notes"] = list(extra) + list(data_notes) + data["notes"]
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=False))
+    else:
+        print(format_plan(data))
+    return EXIT_OK if result.fits else EXIT_DOES_NOT_FIT
+
+
+def format_plan(d: dict[str, Any]) -> str:
+    """The human table of a plan dict (``Plan.to_dict()`` plus the CLI's model facts)."""
+    rows: list[tuple[str, str]] = []
+    verdict = "FITS" if d["fits"] else "DOES NOT FIT"
+    rows.append(("verdict", f"{verdict}: {d['arithmetic']}"))
+    rows.append(("model", f"{_format_count(d['num_params'])} parameters "
+                          f"({_format_count(d['num_trainable_params'])} trainable), activations "
+                          f"{d['activations_source']}"))
+    rows.append(("setup", f"{d['strategy']}, {d['precision']}, {d['optimizer']}, "
+                          f"{d['world_size']} ranks ({d['gpus_per_node']} per node)"))
+    for key in ("params", "buffers", "grads", "optimizer", "activations", "temp", "comm",
+                "reserve"):
+        if key in d["breakdown"]:
+            rows.append((f"  {key}", format_bytes(d["breakdown"][key])))
+    rows.append(("  peak phase", d["peak_phase"]))
+    rows.append(("free in budget", format_bytes(d["free_bytes"])))
+    largest = d["max_micro_batch"]
+    largest_txt = "no limit derived" if largest is None else str(largest)
+    rows.append(("micro_batch", f"{d['micro_batch']} (largest that fits: {largest_txt})"))
+    rows.append(("grad_accum", f"{d['grad_accum']} -> global batch {d['global_batch']} = "
+                               f"{d['micro_batch']} x {d['grad_accum']} x {d['world_size']}"))
+    if d["bucket"] is not None:
+        rows.append(("bucket_cap_mb", d["bucket"]["reason"]))
+    else:
+        rows.append(("bucket_cap_mb", "n/a"))
+    loader = d["dataloader"]
+    if loader is not None:
+        rows.append(("DataLoader", f"num_workers {loader['num_workers']}, prefetch_factor "
+                                   f"{loader['prefetch_factor']}: {loader['reason']}"))
+    else:
+        rows.append(("DataLoader", "not sized"))
+    width = max(len(k) for k, _ in rows) + 2
+    lines = [f"{k:<{width}}{v}" for k, v in rows]
+    for title, key in (("warnings", "warnings"), ("notes", "notes")):
+        if d[key]:
+            lines.append(f"{title}:")
+            lines.extend(f"  - {item}" for item in d[key])
+    return "\n".join(lines)
+
+
+def _format_count(n: int) -> str:
+    """``7_500_000_000 -> "7.50 B"``, ``941_056 -> "941.06 K"``."""
+    for suffix, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {suffix}"
+    return str(n)
+
+
+# -- plan: inputs --------------------------------------------------------------------------------
+
+def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
+    """(ModelStats, ActivationProfile, notes) from exactly one of the three model sources."""
+    from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
+
+    shape_flags = [args.layers, args.hidden, args.heads, args.seq_len, args.vocab]
+    given = [name for name, on in (("--params", args.params is not None),
+                                   ("--model", args.model is not None),
+                                   ("--layers/--hidden/...", any(f is not None
+                                                                 for f in shape_flags)))
+             if on]
+    if len(given) != 1:
+        raise PlanInputError("model", "give exactly one model source" + (
+            f", got {' and '.join(given)}" if given else ""),
+            fix="use --params 7B, or --model m:f --sample m:g, or --layers --hidden --heads "
+                "--seq-len --vocab")
+    if args.activation_bytes_per_sample is not None and args.params is None:
+        raise PlanInputError("--activation-bytes-per-sample", "only applies with --params",
+                             value=args.activation_bytes_per_sample,
+                             fix="drop it: the shape or the trace gives the activations")
+    if args.params is not None:
+        n = parse_count(args.params, field="--params")
+        model = ModelStats(num_params=n, num_trainable_params=n)
+        if args.activation_bytes_per_sample is None:
+            return model, ActivationProfile(0.0, source="unknown"), ()
+        per_sample = parse_bytes(args.activation_bytes_per_sample,
+                                 field="--activation-bytes-per-sample")
+        return model, ActivationProfile(float(per_sample), source="given"), ()
+    if args.model is not None:
+        if args.sample is None:
+            raise PlanInputError("--sample", "is required with --model", fix="pass --sample "
+                                 "MODULE:FACTORY returning one batch")
+        from raytrain_guard.trace import trace_model
+
+        _import_path()
+        traced = trace_model(args.model, args.sample, loss=args.loss,
+                             precision=setup.precision, optimizer=setup.optimizer)
+        notes = (f"traced {args.model} in {traced.trace_s:.1f} s ({traced.mode} device), "
+                 f"loss: {traced.loss}",) + traced.warnings
+        return traced.model_stats, traced.activations, notes
+    missing = [f"--{n.replace('_', '-')}" for n, v in zip(
+        ("layers", "hidden", "heads", "seq_len", "vocab"), shape_flags) if v is None]
+    if missing:
+        raise PlanInputError(missing[0], "is required with the other shape flags",
+                             fix="give all of --layers --hidden --heads --seq-len --vocab")
+    from raytrain_guard.core.activations import analytic_transformer
+
+    options = dict(gated_mlp=args.gated_mlp, tied_embeddings=args.tied_embeddings,
+                   dropout=args.dropout)
+    if args.ffn_hidden is not None:
+        options["ffn_hidden"] = _positive_int(args.ffn_hidden, "--ffn-hidden")
+    if args.kv_heads is not None:
+        options["num_kv_heads"] = _positive_int(args.kv_heads, "--kv-heads")
+    model, acts = analytic_transformer(
+        layers=_positive_int(args.layers, "--layers"), hidden=_positive_int(args.hidden,
+                                                                          "--hidden"),
+        heads=_positive_int(args.heads, "--heads"), seq_len=_positive_int(args.seq_len,
+                                                                          "--seq-len"),
+        vocab=_positive_int(args.vocab, "--vocab"), precision=setup.precision,
+        recompute=args.recompute, attention=args.attention, **options)
+    return model, acts, ()
+
+
+def _data_source(args, config) -> tuple[int | None, float | None, bool, tuple[str, ...]]:
+    """(batch_bytes, sample_bytes, list_backed, notes) from --batch-bytes, --dataset, --sample."""
+    from raytrain_guard import batch_inspect
+
+    if args.batch_bytes is not None:
+        return _size(args.batch_bytes, "--batch-bytes"), None, False, ()
+    if args.dataset is None and args.sample is None:
+        return None, None, False, ()
+    _import_path()
+    from raytrain_guard.trace import load_object
+
+    if args.dataset is not None:
+        factory = load_object(args.dataset, field_name="--dataset")
+        dataset = _call_user(factory, "--dataset")
+        measured = batch_inspect.measure_dataset(dataset)
+        found = batch_inspect.list_backed_attributes(
+            dataset, min_items=config.list_dataset_min_items)
+        note = (f"batch bytes from {measured.batch_size} samples of --dataset: "
+                f"{format_bytes(measured.bytes_per_sample)} per sample")
+        if found:
+            note += f"; Python containers in the dataset: {', '.join(found)}"
+        return None, measured.bytes_per_sample, bool(found), (note,)
+    factory = load_object(args.sample, field_name="--sample")
+    measured = batch_inspect.measure_batch(_call_user(factory, "--sample"))
+    note = (f"batch bytes from --sample: {format_bytes(measured.batch_bytes)} for "
+            f"{measured.batch_size or 1} samples")
+    return None, measured.bytes_per_sample, False, (note,)
+
+
+def _call_user(factory: Callable[[], Any], flag: str) -> Any:
+    try:
+        return factory()
+    except GuardError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's factory raised
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise PlanInputError(flag, f"the factory raised {type(exc).__name__}: {first}",
+                             fix="make the factory run on its own (python -c \"from m import "
+                                 "f; f()\")") from None
+
+
+def _import_path() -> None:
+    """Let ``MODULE:FACTORY`` name modules of the current directory, as ``python -m`` does."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def _config(args) -> GuardConfig:
+    config = GuardConfig.from_toml(args.config) if args.config else GuardConfig()
+    if args.headroom is not None:
+        text = str(args.headroom).strip()
+        try:
+            frac = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            raise PlanInputError("--headroom", "not a fraction", value=args.headroom,
+                                 fix="write 0.15 or 15%") from None
+        config = config.replace(headroom_frac=frac)
+    return config
+
+
+def _positive_int(text, flag: str, default: Any = ...) -> Any:
+    if text is None:
+        if default is ...:
+            raise PlanInputError(flag, "is required", fix=f"pass {flag} N")
+        return default
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise PlanInputError(flag, "not a whole number", value=text,
+                             fix=f"pass {flag} as a positive integer, e.g. {flag} 8") from None
+    if value < 1:
+        raise PlanInputError(flag, "must be at least 1", value=text,
+                             fix=f"pass {flag} as a positive integer, e.g. {flag} 8")
+    return value
+
+
+def _size(text, flag: str) -> int | None:
+    return None if text is None else parse_bytes(text, field=flag)
+
+
+def _curve(args) -> list[tuple[int, float]] | None:
+    if args.bandwidth_curve is None:
+        return None
+    try:
+        with open(args.bandwidth_curve) as fh:
+            data = json.load(fh)
+        return [(int(size), float(seconds)) for size, seconds in data]
+    except (OSError, ValueError, TypeError) as exc:
+        raise PlanInputError("--bandwidth-curve", f"cannot read it ({type(exc).__name__})",
+                             value=args.bandwidth_curve,
+                             fix="write a JSON list of [message bytes, seconds] pairs") from None
+
+
+# -- machine defaults (lazy imports: the CLI starts without torch or psutil) ---------------------
+
+def _cuda():
+    """torch.cuda when a CUDA device is present, else None (imports torch lazily)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.cuda if torch.cuda.is_available() else None
+
+
+def _gpu_memory(args) -> int:
+    if args.gpu_mem is not None:
+        return parse_bytes(args.gpu_mem, field="--gpu-mem")
+    cuda = _cuda()
+    if cuda is None:
+        raise PlanInputError("--gpu-mem", "is required: no CUDA device on this machine",
+                             fix="pass the memory of one GPU, e.g. --gpu-mem 80GiB")
+    return int(cuda.get_device_properties(0).total_memory)
+
+
+def _local_gpus() -> int:
+    cuda = _cuda()
+    return cuda.device_count() if cuda is not None else 1
+
+
+def _host_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+#: one entry per subcommand; each adds its parser and sets ``run``
+COMMANDS: tuple[Callable[[Any], None], ...] = (
+    add_plan_command,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="raytrain-guard",
+        description="Keep distributed PyTorch training on Ray inside its GPU-memory, "
+                    "host-memory and communication limits.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, run the subcommand, map errors to exit codes (2 for bad input, no traceback)."""
+    args = build_parser().parse_args(argv)      # argparse errors exit 2 by themselves
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except GuardError as err:
+        print(f"raytrain-guard {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The capacity planner: will this training job fit, and with which settings? (pure)
+
+``plan()`` takes numbers (a model's parameter facts, its activation profile, the training setup
+and the machine) and returns a :class:`Plan`: a frozen value with the verdict, the arithmetic
+behind it and every setting it derived:
+
+- fits: static memory + activations + runtime reserve within ``(1 - headroom_frac)`` of the
+  card (the 15 % headroom rule), shown as one line of arithmetic;
+- the largest micro-batch that fits, and the gradient accumulation that reaches a requested
+  global batch (``global = micro_batch x grad_accum x world_size``), saying when it cannot be met
+  exactly;
+- ``bucket_cap_mb`` for DDP (:mod:`raytrain_guard.core.buckets`);
+- DataLoader ``num_workers`` / ``prefetch_factor`` (:mod:`raytrain_guard.core.dataloader_sizing`).
+
+The memory of one step comes from :func:`raytrain_guard.core.memory_model.estimate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.buckets import BucketPlan, recommend_bucket_cap
+from raytrain_guard.core.dataloader_sizing import DataLoaderPlan, size_dataloader
+from raytrain_guard.core.memory_model import (PARAM_BYTES, MemoryEstimate, Strategy,
+                                              TrainingSetup, estimate)
+from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
+from raytrain_guard.errors import PlanInputError
+from raytrain_guard.units import MiB, format_bytes
+
+#: the micro-batch search stops here (activations that small per sample are a profile error)
+MAX_MICRO_BATCH_SEARCH = 1 << 24
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer for one rank (every rank of a data-parallel job holds the same)."""
+
+    fits: bool
+    device_memory_bytes: int
+    budget_bytes: int
+    estimate: MemoryEstimate
+    setup: TrainingSetup                  # as planned: micro_batch, grad_accum, bucket_cap_mb
+    max_micro_batch: int | None           # None: activations unknown, no limit derived
+    global_batch: int                     # micro_batch x grad_accum x world_size
+    requested_global_batch: int | None
+    bucket: BucketPlan | None
+    dataloader: DataLoaderPlan | None
+    arithmetic: str
+    activations_source: str
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    headroom_frac: float = 0.15
+
+    # -- views --------------------------------------------------------------------------------
+    @property
+    def peak_bytes(self) -> int:
+        """Tensor bytes at the peak of a steady-state step (no reserve)."""
+        return self.estimate.peak_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak plus the runtime reserve: what must fit in ``budget_bytes``."""
+        return self.estimate.total_bytes
+
+    @property
+    def micro_batch(self) -> int:
+        return self.setup.micro_batch
+
+    @property
+    def grad_accum(self) -> int:
+        return self.setup.grad_accum
+
+    @property
+    def bucket_cap_mb(self) -> float | None:
+        return self.bucket.bucket_cap_mb if self.bucket is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the CLI's ``--json``)."""
+        loader = self.dataloader
+        return {
+            "fits": self.fits,
+            "device_memory_bytes": self.device_memory_bytes,
+            "budget_bytes": self.budget_bytes,
+            "headroom_frac": self.headroom_frac,
+            "peak_bytes": self.peak_bytes,
+            "total_bytes": self.total_bytes,
+            "free_bytes": self.budget_bytes - self.total_bytes,
+            "breakdown": dict(self.estimate.breakdown),
+            "peak_phase": self.estimate.peak_phase,
+            "phases": dict(self.estimate.phases),
+            "strategy": self.setup.strategy.value,
+            "precision": self.setup.precision.value,
+            "optimizer": self.setup.optimizer.value,
+            "world_size": self.setup.world_size,
+            "micro_batch": self.micro_batch,
+            "max_micro_batch": self.max_micro_batch,
+            "grad_accum": self.grad_accum,
+            "global_batch": self.global_batch,
+            "requested_global_batch": self.requested_global_batch,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "bucket": self.bucket.to_dict() if self.bucket is not None else None,
+            "dataloader": loader.to_dict() if loader is not None else None,
+            "activations_source": self.activations_source,
+            "arithmetic": self.arithmetic,
+            "warnings": list(self.warnings),
+            "notes": list(self.notes) + list(self.estimate.notes),
+        }
+
+
+def plan(*, model: ModelStats, activations: ActivationProfile, setup: TrainingSetup,
+         device_memory_bytes: int, host_memory_bytes: int | None, cpus_per_node: int | None,
+         gpus_per_node: int = 1, global_batch: int | None = None, batch_bytes: int | None = None,
+         list_backed_dataset: bool = False,
+         bandwidth_curve: Sequence[tuple[int, float]] | None = None,
+         config: GuardConfig = GuardConfig(), auto_micro_batch: bool = False,
+         sample_bytes: float | None = None, pin_memory: bool = True) -> Plan:
+    """Plan one data-parallel training job (see the module docstring).
+
+    ``setup.micro_batch`` is the micro-batch the verdict is for, unless ``auto_micro_batch``:
+    then the planner picks the largest that fits (an exact divisor of the per-rank batch when
+    ``global_batch`` is given and one is at least half as large). ``batch_bytes`` is one loader
+    batch at the planned micro-batch; ``sample_bytes`` (one sample) is scaled to it instead.
+    """
+    _check_inputs(device_memory_bytes, gpus_per_node, global_batch, batch_bytes, sample_bytes)
+    warnings: list[str] = []
+    notes: list[str] = []
+    budget = int(device_memory_bytes * config.budget_frac)
+    unknown_acts = activations.source == "unknown"
+    if unknown_acts:
+        warnings.append("activations unknown (parameter count only): planned with "
+                        f"{format_bytes(activations.at(1))} per sample; give the model shape, "
+                        "--model/--sample, or --activation-bytes-per-sample")
+
+    # micro-batch and accumulation: grad_accum > 1 keeps gradients alive, so search again
+    # whenever the accumulation changes (it only grows: at most a few passes)
+    current = setup
+    for _ in range(4):
+        max_micro = _max_micro_batch(model, activations, current, budget, config)
+        micro, accum, why = _batching(current, max_micro, global_batch, auto_micro_batch)
+        chosen = dataclasses.replace(current, micro_batch=micro, grad_accum=accum)
+        if chosen == current:
+            break
+        current = chosen
+    warnings.extend(why)
+    if max_micro == 0:
+        warnings.append("even micro-batch 1 does not fit: " + _fixes_for(current))
+    elif max_micro is None:
+        notes.append("micro-batch not limited by memory in this plan (no activation bytes)")
+
+    est = estimate(model, activations, current, config)
+    slack = budget - est.total_bytes
+    bucket = _bucket_plan(model, current, config, bandwidth_curve, slack, warnings, notes)
+    if bucket is not None:
+        current = dataclasses.replace(current, bucket_cap_mb=bucket.bucket_cap_mb)
+        est = estimate(model, activations, current, config)
+    fits = est.total_bytes <= budget
+
+    loader = None
+    if sample_bytes is not None and batch_bytes is None:
+        batch_bytes = max(1, int(math.ceil(sample_bytes * current.micro_batch)))
+    if batch_bytes is None or host_memory_bytes is None or cpus_per_node is None:
+        missing = [name for name, v in (("batch bytes", batch_bytes), ("host memory",
+                   host_memory_bytes), ("CPUs per node", cpus_per_node)) if v is None]
+        notes.append(f"DataLoader not sized: {', '.join(missing)} unknown (give --sample, "
+                     f"--dataset or --batch-bytes)")
+        if list_backed_dataset:
+            warnings.append("the dataset keeps its samples in Python lists (copy-on-read "
+                            "growth in forked workers); store them in numpy arrays or tensors")
+    else:
+        loader = size_dataloader(batch_bytes=batch_bytes, host_memory_bytes=host_memory_bytes,
+                                 gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
+                                 pin_memory=pin_memory, config=config,
+                                 list_backed_dataset=list_backed_dataset)
+        warnings.extend(loader.warnings)
+
+    return Plan(
+        fits=fits, device_memory_bytes=device_memory_bytes, budget_bytes=budget, estimate=est,
+        setup=current, max_micro_batch=max_micro,
+        global_batch=current.micro_batch * current.grad_accum * current.world_size,
+        requested_global_batch=global_batch, bucket=bucket, dataloader=loader,
+        arithmetic=arithmetic(est, budget, device_memory_bytes, config),
+        activations_source=activations.source, warnings=tuple(warnings), notes=tuple(notes),
+        headroom_frac=config.headroom_frac)
+
+
+def arithmetic(est: MemoryEstimate, budget: int, device_memory_bytes: int,
+               config: GuardConfig) -> str:
+    """One line: ``static 41.2 GiB + activations 22.0 GiB + reserve 1.5 GiB = 64.7 GiB of a
+    68.0 GiB budget (85 % of 80.0 GiB)``; static is every tensor at the peak but activations."""
+    acts = est.breakdown.get("activations", 0)
+    reserve = est.breakdown.get("reserve", est.total_bytes - est.peak_bytes)
+    static = est.peak_bytes - acts
+    of = (f"{format_bytes(budget)} budget ({config.budget_frac * 100:.4g} % of "
+          f"{format_bytes(device_memory_bytes)})")
+    head = (f"static {format_bytes(static)} + activations {format_bytes(acts)} + reserve "
+            f"{format_bytes(reserve)} = {format_bytes(est.total_bytes)}")
+    if est.total_bytes <= budget:
+        return f"{head} of a {of}"
+    return f"{head}, over the {of} by {format_bytes(est.total_bytes - budget)}"
+
+
+# -- parts ---------------------------------------------------------------------------------
+
+def _check_inputs(device_memory_bytes, gpus_per_node, global_batch, batch_bytes,
+                  sample_bytes) -> None:
+    for name, value, fix in (
+            ("device_memory_bytes", device_memory_bytes, "give the card's memory, e.g. 80GiB"),
+            ("gpus_per_node", gpus_per_node, "give the GPUs per node, e.g. 8"),
+            ("global_batch", global_batch, "give the global batch in samples, or leave it out"),
+            ("batch_bytes", batch_bytes, "give one batch's bytes, or leave it out")):
+        if value is None and name in ("global_batch", "batch_bytes"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise PlanInputError(name, "must be a positive integer", value=value, fix=fix)
+    if sample_bytes is not None and not sample_bytes > 0:
+        raise PlanInputError("sample_bytes", "must be positive", value=sample_bytes,
+                             fix="give one sample's bytes, or leave it out")
+
+
+def _fits(model, activations, setup, micro, budget, config) -> bool:
+    est = estimate(model, activations, dataclasses.replace(setup, micro_batch=micro), config)
+    return est.total_bytes <= budget
+
+
+def _max_micro_batch(model: ModelStats, activations: ActivationProfile, setup: TrainingSetup,
+                     budget: int, config: GuardConfig) -> int | None:
+    """The largest micro-batch whose step fits ``budget`` (0: not even 1; None: no limit).
+
+    Memory grows with the micro-batch, so: gallop (1, 2, 4, ...) to the first size that does not
+    fit, then bisect between the last that fits and it.
+    """
+    if not _fits(model, activations, setup, 1, budget, config):
+        return 0
+    if activations.bytes_per_sample <= 0:
+        return None
+    good, bad = 1, 2
+    while _fits(model, activations, setup, bad, budget, config):
+        good, bad = bad, bad * 2
+        if good >= MAX_MICRO_BATCH_SEARCH:
+            return good
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if _fits(model, activations, setup, mid, budget, config) \
+            else (good, mid)
+    return good
+
+
+def _batching(setup: TrainingSetup, max_micro: int | None, global_batch: int | None,
+              auto: bool) -> tuple[int, int, list[str]]:
+    """(micro_batch, grad_accum, warnings) for the requested global batch."""
+    world = setup.world_size
+    micro = setup.micro_batch
+    if auto and max_micro:
+        micro = max_micro
+    if global_batch is None:
+        return micro, setup.grad_accum, []
+    said: list[str] = []
+    per_rank, rest = divmod(global_batch, world)
+    if auto and max_micro and not rest:
+        exact = _largest_divisor_at_most(per_rank, max_micro)
+        if exact * 2 >= max_micro or exact == per_rank:
+            return exact, per_rank // exact, []
+    accum = max(1, math.ceil(global_batch / (micro * world)))
+    reached = micro * accum * world
+    if reached != global_batch:
+        msg = (f"global batch {global_batch} cannot be met exactly: {micro} x {accum} x {world} "
+               f"ranks = {reached}")
+        if rest:
+            msg += f" ({global_batch} is not a multiple of the world size {world})"
+        else:
+            limit = max_micro if max_micro else micro
+            exact = _largest_divisor_at_most(per_rank, limit)
+            msg += (f"; exact: micro-batch {exact} x grad_accum {per_rank // exact} x {world} "
+                    f"= {global_batch}")
+        said.append(msg)
+    return micro, accum, said
+
+
+def _fixes_for(setup: TrainingSetup) -> str:
+    """What could make a setup fit, leaving out what it already does."""
+    fixes = []
+    if setup.strategy is not Strategy.FSDP_FULL:
+        fixes.append("shard the model (--strategy fsdp-full)")
+    if setup.precision.value in ("fp32", "amp-bf16"):
+        fixes.append("keep parameters in bf16 (--precision bf16-master)")
+    if setup.world_size > 1 or setup.strategy is not Strategy.DDP:
+        fixes.append("add ranks to shard over (--workers)")
+    fixes += ["recompute activations", "use a card with more memory"]
+    return ", ".join(fixes[:-1]) + " or " + fixes[-1]
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
+
+
+def _bucket_plan(model: ModelStats, setup: TrainingSetup, config: GuardConfig,
+                 bandwidth_curve, slack: int, warnings: list[str],
+                 notes: list[str]) -> BucketPlan | None:
+    if setup.strategy not in (Strategy.DDP, Strategy.ZERO1):
+        notes.append(f"{setup.strategy.value}: FSDP does not use bucket_cap_mb")
+        return None
+    if model.num_trainable_params == 0:
+        notes.append("no trainable parameters: no gradient buckets")
+        return None
+    elem = PARAM_BYTES[setup.precision]
+    smallest = config.num_buckets_in_flight * MiB / 16
+    if slack < smallest:
+        warnings.append("no device memory left for larger DDP buckets: bucket_cap_mb not "
+                        "bounded by memory (the plan is already at or over its budget)")
+        slack_arg = None
+    else:
+        slack_arg = slack
+    if setup.world_size == 1:
+        notes.append("world size 1: Ray does not wrap DDP; bucket_cap_mb applies once scaled out")
+    return recommend_bucket_cap(grad_bytes=model.num_trainable_params * elem, config=config,
+                                param_bytes=tuple(n * elem for n in model.param_numels),
+                                bandwidth_curve=bandwidth_curve, memory_slack_bytes=slack_arg)
