@@ -1,0 +1,216 @@
+"""Turning the monitor and the coordinator into Ray actors (the only module here that starts them).
+
+* :func:`start_monitors` (namespace, run_id, config, probe_factory) -> ``{node_id: handle}``:
+  one :class:`~raytrain_guard.cluster.monitor.NodeMonitor` per alive node, ``num_cpus=0``,
+  pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, named
+  ``raytrain_guard:monitor:<node id>`` in the namespace, ``get_if_exists=True`` (calling it
+  again adds monitors to new nodes only), ``max_restarts=-1``. Each samples every
+  ``monitor_interval_s`` and sends its samples to the run's coordinator, fire-and-forget.
+* :func:`start_coordinator` (namespace, run_id, config) -> handle: the
+  :class:`~raytrain_guard.cluster.coordinator.Coordinator` named
+  ``raytrain_guard:coordinator:<run id>``, ``num_cpus=0``, ``max_restarts``.
+* :func:`stop_all` (namespace, run_id=None): kill the monitors and the coordinator(s).
+* :func:`register_worker_with_monitor` (namespace, world_rank): from a train worker, ask this
+  node's monitor to sample its private memory and its DataLoader workers'.
+
+Monitors are keyed on Ray's node id, never on IP-based node ranks (nodes may share an IP).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable
+
+from raytrain_guard.cluster.client import COORDINATOR_PREFIX, coordinator_name
+from raytrain_guard.cluster.coordinator import Coordinator
+from raytrain_guard.cluster.monitor import NodeMonitor
+from raytrain_guard.config import GuardConfig
+
+logger = logging.getLogger(__name__)
+
+MONITOR_PREFIX = "raytrain_guard:monitor:"
+MAX_INFLIGHT_SAMPLES = 8
+"""Samples a monitor lets go unanswered before it drops new ones (a slow coordinator)."""
+
+ProbeFactory = Callable[[str], "tuple[Any, Any]"]
+"""``probe_factory(node_id) -> (gpu_probe, host_probe)``; None in a slot builds the real probe.
+It is pickled to every monitor, so define it at module level (scripted probes are fine)."""
+
+__all__ = ["MONITOR_PREFIX", "COORDINATOR_PREFIX", "monitor_name", "coordinator_name",
+           "alive_node_ids", "start_monitors", "start_coordinator", "stop_all",
+           "register_worker_with_monitor", "CoordinatorSink"]
+
+
+def monitor_name(node_id: str) -> str:
+    """``raytrain_guard:monitor:<node id>``."""
+    return f"{MONITOR_PREFIX}{node_id}"
+
+
+def alive_node_ids() -> list[str]:
+    import ray
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+
+class CoordinatorSink:
+    """Sends a monitor's samples to the run's coordinator, fire-and-forget, never raising.
+
+    The handle is looked up by name lazily (again at most every ``retry_after_s`` after a
+    failure); at most ``MAX_INFLIGHT_SAMPLES`` calls stay unanswered, beyond that a sample is
+    dropped and counted.
+    """
+
+    def __init__(self, namespace: str, run_id: str, *, retry_after_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.namespace, self.name = namespace, coordinator_name(run_id)
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self._handle: Any = None
+        self._next_lookup = -float("inf")
+        self._inflight: list[Any] = []
+        self.num_sent = 0
+        self.num_dropped = 0
+
+    def __call__(self, sample: dict) -> None:
+        try:
+            self._collect()
+        except Exception:  # noqa: BLE001 - the coordinator died or restarts: look it up again
+            self._handle, self._inflight = None, []
+            self._next_lookup = self._clock() + self.retry_after_s
+        if self._handle is None:
+            if self._clock() < self._next_lookup:
+                self.num_dropped += 1
+                return
+            self._next_lookup = self._clock() + self.retry_after_s
+            import ray
+            try:
+                self._handle = ray.get_actor(self.name, namespace=self.namespace)
+            except ValueError:
+                self.num_dropped += 1
+                return
+        if len(self._inflight) >= MAX_INFLIGHT_SAMPLES:
+            self.num_dropped += 1
+            return
+        self._inflight.append(self._handle.report_node.remote(sample))
+        self.num_sent += 1
+
+    def _collect(self) -> None:
+        """The one method that touches ``ray.wait``/``ray.get``, with timeout 0: finished calls
+        are collected and their errors raised (a dead coordinator)."""
+        if not self._inflight:
+            return
+        import ray
+        done, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight),
+                                        timeout=0)
+        if done:
+            ray.get(done, timeout=0)
+
+
+class _MonitorActor(NodeMonitor):
+    """NodeMonitor with what only exists inside the actor: Ray metrics and the coordinator sink."""
+
+    def __init__(self, node_id: str, config: GuardConfig, namespace: str, run_id: str,
+                 probe_factory: ProbeFactory | None) -> None:
+        from raytrain_guard.cluster.metrics import NodeMetrics
+        gpu_probe, host_probe = probe_factory(node_id) if probe_factory else (None, None)
+        try:
+            metrics = NodeMetrics()
+        except Exception as exc:  # noqa: BLE001 - fail open: monitor without metrics
+            logger.warning("[node %s] Ray metrics unavailable (%r)", node_id[:12], exc)
+            metrics = None
+        super().__init__(node_id, config, gpu_probe=gpu_probe, host_probe=host_probe,
+                         sink=CoordinatorSink(namespace, run_id), metrics=metrics,
+                         autostart=True)
+
+
+class _CoordinatorActor(Coordinator):
+    """Coordinator with its Ray metrics created inside the actor."""
+
+    def __init__(self, run_id: str, config: GuardConfig, attempt: int) -> None:
+        from raytrain_guard.cluster.metrics import CoordinatorMetrics
+        try:
+            metrics = CoordinatorMetrics(run_id)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("[run %s] Ray metrics unavailable (%r)", run_id, exc)
+            metrics = None
+        super().__init__(run_id, config, attempt=attempt, metrics=metrics)
+
+
+def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = None,
+                   probe_factory: ProbeFactory | None = None, *, max_restarts: int = -1,
+                   ready_timeout_s: float | None = 60.0) -> dict[str, Any]:
+    """One monitor per alive node; returns ``{node_id: handle}``. Idempotent.
+
+    With ``ready_timeout_s`` it waits for every monitor to answer a ping (a monitor that does
+    not is logged and still returned: monitoring fails open).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    config = config or GuardConfig()
+    cls = ray.remote(_MonitorActor)
+    handles = {}
+    for node_id in alive_node_ids():
+        handles[node_id] = cls.options(
+            name=monitor_name(node_id), namespace=namespace, get_if_exists=True, num_cpus=0,
+            max_restarts=max_restarts,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(node_id, config, namespace, run_id, probe_factory)
+    if ready_timeout_s is not None and handles:
+        refs = {h.ping.remote(): n for n, h in handles.items()}
+        ready, missing = ray.wait(list(refs), num_returns=len(refs), timeout=ready_timeout_s)
+        for ref in missing:
+            logger.warning("monitor on node %s did not answer within %.0f s", refs[ref],
+                           ready_timeout_s)
+    return handles
+
+
+def start_coordinator(namespace: str, run_id: str, config: GuardConfig | None = None, *,
+                      attempt: int = 0, max_restarts: int = -1) -> Any:
+    """The run's coordinator actor (``raytrain_guard:coordinator:<run id>``). Idempotent."""
+    import ray
+    return ray.remote(_CoordinatorActor).options(
+        name=coordinator_name(run_id), namespace=namespace, get_if_exists=True, num_cpus=0,
+        max_restarts=max_restarts,
+    ).remote(run_id, config or GuardConfig(), attempt)
+
+
+def stop_all(namespace: str, run_id: str | None = None) -> list[str]:
+    """Kill every monitor in ``namespace`` and the coordinator of ``run_id`` (all coordinators
+    in the namespace when None), without restart. Returns the names killed."""
+    import ray
+    killed = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry.get("name", "")
+        if entry.get("namespace") != namespace:
+            continue
+        wanted = name.startswith(MONITOR_PREFIX) or (
+            name == coordinator_name(run_id) if run_id is not None
+            else name.startswith(COORDINATOR_PREFIX))
+        if not wanted:
+            continue
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+            killed.append(name)
+        except ValueError:
+            pass   # gone already
+    return killed
+
+
+def register_worker_with_monitor(namespace: str, world_rank: int | None = None,
+                                 pid: int | None = None) -> bool:
+    """From a train worker: ask this node's monitor to sample this process (fire-and-forget).
+
+    Returns False (and training goes on) when there is no monitor on this node.
+    """
+    import ray
+    node_id = ray.get_runtime_context().get_node_id()
+    try:
+        handle = ray.get_actor(monitor_name(node_id), namespace=namespace)
+        handle.register_worker.remote(os.getpid() if pid is None else pid, world_rank)
+        return True
+    except Exception as exc:  # noqa: BLE001 - fail open
+        logger.warning("rank %s: no monitor on node %s (%s); host memory of this worker is not "
+                       "sampled", world_rank, node_id[:12], exc)
+        return False
