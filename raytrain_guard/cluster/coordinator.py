@@ -93,7 +93,7 @@ class Coordinator:
         self._notes: tuple[str, ...] = ()
         self._decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS_KEPT)
         self._next_id = int(wall_clock() * 1e6)
-        self._last_round = -math.inf
+        self._last_round = clock()   # first round one interval after start
         self.ignored: Counter[str] = Counter({r: 0 for r in IGNORE_REASONS})
         self.num_reports = 0
         self.num_node_samples = 0

@@ -1,0 +1,201 @@
+"""Coordinator as a plain class: report validation, policy rounds, decisions_since, status."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from raytrain_guard.cluster.coordinator import Coordinator
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.node_samples import GpuSample, HostSample, NodeSample
+from raytrain_guard.core.steps import StepStats
+from raytrain_guard.units import GiB
+
+
+class Clock:
+    def __init__(self, t=0.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def batch(rank, first, n=10, *, compute=0.5, comm=0.45, data=0.05, mem=None):
+    return [StepStats(step=s, total_s=data + compute + comm, data_wait_s=data, forward_s=compute,
+                      comm_wait_s=comm, memory_frac=mem, world_rank=rank).to_dict()
+            for s in range(first, first + n)]
+
+
+def coordinator(clock=None, **kw):
+    # decision_interval_s=1e9: rounds only when the test calls decide()
+    cfg = GuardConfig(decision_interval_s=1e9, **kw)
+    return Coordinator("run1", cfg, clock=clock or Clock(), wall_clock=lambda: 1000.0)
+
+
+def sample(node, seq, *, epoch="e1", mem_frac=None):
+    gpus = () if mem_frac is None else (GpuSample(0, int(mem_frac * 100), 100),)
+    return NodeSample(node, seq, epoch, 0.0, HostSample(64 * GiB, 32 * GiB), gpus).to_dict()
+
+
+REJECTED = [
+    # name, arguments of report_steps after a first good batch of steps 1-10 from rank 0
+    ("duplicate", (0, "n0", 0, batch(0, 1))),
+    ("out_of_order", (0, "n0", 0, batch(0, 5))),                 # steps 5-14 overlap 1-10
+    ("stale", (0, "n0", -1, batch(0, 11))),                      # attempt -1 < 0
+    ("malformed", (0, "n0", 0, [{"step": 11}])),                 # no total_s
+    ("malformed", (0, "n0", 0, [{"step": 11, "total_s": float("nan")}])),
+    ("malformed", (0, "n0", 0, batch(0, 11, mem="high"))),
+    ("malformed", (0, "n0", 0, batch(0, 11)[::-1])),             # steps decreasing
+    ("malformed", ("zero", "n0", 0, batch(0, 11))),
+    ("malformed", (0, "", 0, batch(0, 11))),
+    ("malformed", (0, "n0", 0, [])),
+    ("malformed", (0, "n0", 0, "not a list of dicts")),
+    ("malformed", (0, "n0", 0, batch(0, 11), {"micro_batch": 0})),
+]
+
+
+@pytest.mark.parametrize("reason,args", REJECTED, ids=[f"{r}-{i}" for i, (r, _) in
+                                                       enumerate(REJECTED)])
+def test_bad_reports_are_counted_and_ignored(reason, args):
+    c = coordinator()
+    c.report_steps(0, "n0", 0, batch(0, 1))
+    c.report_steps(*args)
+    st = c.status()
+    assert st["ignored"] == {"stale": 0, "duplicate": 0, "out_of_order": 0, "malformed": 0,
+                             reason: 1}
+    assert st["ranks"][0]["step"] == 10 and st["num_reports"] == 1
+    c.report_steps(0, "n0", 0, batch(0, 11))      # the next good batch is still accepted
+    assert c.status()["ranks"][0]["step"] == 20
+
+
+def test_newer_attempt_clears_ranks_and_older_is_stale():
+    c = coordinator()
+    c.report_steps(0, "n0", 0, batch(0, 1))
+    c.report_steps(1, "n0", 0, batch(1, 1))
+    c.report_steps(0, "n0", 1, batch(0, 1))       # the run restarted from step 1
+    st = c.status()
+    assert st["attempt"] == 1 and list(st["ranks"]) == [0]
+    c.report_steps(1, "n0", 0, batch(1, 11))      # rank 1 of the old attempt: stale
+    assert c.status()["ignored"]["stale"] == 1
+
+
+def test_names_the_straggler_node_from_step_stats():
+    c = coordinator()
+    for first in (1, 11):
+        c.report_steps(0, "n0", 0, batch(0, first))
+        c.report_steps(1, "n0", 0, batch(1, first))
+        c.report_steps(2, "n1", 0, batch(2, first))
+        c.report_steps(3, "n1", 0, batch(3, first, compute=0.9, comm=0.05))   # slow compute
+    (d,) = c.decide()
+    # rank 3 adds (0.9 - 0.5) / 1.0 = 40 % of a step; latest 20 -> applies at 40
+    assert (d["action"], d["scope"], d["cause"], d["step"]) == \
+        ("flag_straggler", "node:n1", "compute", 40)
+    assert d["params"]["world_ranks"] == [3] and d["decision_id"] == 1000 * 10**6 + 1
+    st = c.status()
+    assert st["straggler_nodes"] == ["n1"]
+    assert st["ranks"][3]["straggler_score"] == 0.4 and st["ranks"][3]["straggler_cause"] == \
+        "compute"
+    assert st["ranks"][0]["straggler_score"] == 0.0
+    assert c.decide() == []                        # flagged once
+
+
+def test_memory_pressure_from_reports_and_nvml_samples():
+    c = coordinator()
+    c.report_steps(0, "n0", 0, batch(0, 1, mem=0.5))
+    c.report_node(sample("n0", 1, mem_frac=0.93))
+    (d,) = c.decide(next_apply_step=30)
+    assert (d["action"], d["step"], d["scope"]) == ("release_cache", 30, "cluster")
+    assert "node n0 GPU 0 at 93%" in d["reason"]
+    assert c.status()["nodes"]["n0"]["gpus"][0]["memory_frac"] == 0.93
+
+
+def test_decisions_since_and_ids_that_grow_across_restarts():
+    c = coordinator()
+    c.report_steps(0, "n0", 0, batch(0, 1, mem=0.89))
+    first = c.decide()
+    assert [d["action"] for d in first] == ["release_cache"]
+    cursor = first[0]["decision_id"]
+    assert c.decisions_since(0) == first and c.decisions_since(cursor) == []
+    # a restarted coordinator (later wall clock) rebuilds from new reports; its ids are larger
+    again = Coordinator("run1", GuardConfig(decision_interval_s=1e9), clock=Clock(),
+                        wall_clock=lambda: 1001.0)
+    again.report_steps(0, "n0", 0, batch(0, 11, mem=0.89))
+    (d,) = again.decide()
+    assert d["decision_id"] > cursor and again.decisions_since(cursor) == [d]
+
+
+def test_node_samples_duplicate_out_of_order_new_epoch_and_ageing():
+    clock = Clock()
+    c = coordinator(clock)
+    c.report_node(sample("n0", 5))
+    c.report_node(sample("n0", 5))                  # duplicate
+    c.report_node(sample("n0", 4))                  # out of order
+    c.report_node(sample("n0", 1, epoch="e2"))      # a restarted monitor: accepted
+    c.report_node({"node_id": "n0"})                # malformed
+    c.report_node(sample("n1", 1, mem_frac=0.93))
+    assert c.status()["ignored"] == {"stale": 0, "duplicate": 1, "out_of_order": 1,
+                                     "malformed": 1}
+    assert c.status()["num_node_samples"] == 3
+    # n1's sample is 10 monitor intervals old: it no longer drives decisions
+    clock.t = 10.5
+    assert c.decide(next_apply_step=10) == []
+    clock.t = 0.0
+    assert [d["action"] for d in c.decide(next_apply_step=10)] == ["release_cache"]
+
+
+def test_rounds_run_by_themselves_at_the_decision_interval():
+    clock = Clock(100.0)
+    c = Coordinator("run1", GuardConfig(decision_interval_s=1.0), clock=clock)
+    c.report_steps(0, "n0", 0, batch(0, 1))
+    assert c.status()["num_rounds"] == 0           # within one interval of the start
+    clock.t = 101.0
+    c.report_steps(0, "n0", 0, batch(0, 11))
+    assert c.status()["num_rounds"] == 1           # one interval later: a round
+    c.report_steps(0, "n0", 0, batch(0, 21, mem=0.9))
+    assert c.status()["num_rounds"] == 1           # same instant: no new round
+    clock.t = 102.0
+    c.report_node(sample("n0", 1))                 # node samples trigger rounds too
+    assert c.status()["num_rounds"] == 2
+    assert [d["action"] for d in c.decisions_since(0)] == ["release_cache"]
+
+
+def test_a_failing_policy_round_does_not_stop_reports(caplog):
+    def broken_rule(latest, config):
+        raise RuntimeError("bug in the apply-step rule")
+    clock = Clock()
+    c = Coordinator("run1", GuardConfig(decision_interval_s=0.0), apply_step_rule=broken_rule,
+                    clock=clock)
+    clock.t = 1.0
+    with caplog.at_level(logging.WARNING):
+        for first in (1, 11, 21):
+            c.report_steps(0, "n0", 0, batch(0, first))
+    assert c.status()["ranks"][0]["step"] == 30
+    assert sum("policy round failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_status_figures():
+    c = coordinator()
+    # rank 0: 1.0 s steps; rank 1: steps 1..10 take 1.0 s except step 10 takes 3.0 s
+    c.report_steps(0, "n0", 0, batch(0, 1, mem=0.5))
+    slow = batch(1, 1, mem=0.6)
+    slow[-1]["total_s"] = 3.0
+    c.report_steps(1, "n1", 0, slow, {"micro_batch": 8, "grad_accum": 1, "prefetch_factor": 2})
+    c.report_node(sample("n1", 1))
+    st = c.status()
+    # 20 totals: 19 x 1.0 and 1 x 3.0 -> nearest-rank p50 = 10th = 1.0, p99 = 20th = 3.0
+    assert (st["step_p50_s"], st["step_p99_s"]) == (1.0, 3.0)
+    assert st["latest_step"] == 10 and st["run_id"] == "run1"
+    assert st["ranks"][1] == {"world_rank": 1, "node_id": "n1", "step": 10, "step_p50_s": 1.0,
+                              "step_p99_s": 3.0, "memory_frac": 0.6, "straggler_score": None,
+                              "straggler_cause": None}
+    assert st["nodes"]["n1"]["host"]["memory_used_frac"] == 0.5
+    assert st["nodes"]["n1"]["throttled"] is False
+    assert set(st) >= {"nodes", "ranks", "straggler_scores", "active_decisions", "ignored"}
+
+
+def test_window_memory_is_bounded():
+    c = coordinator(step_window=20)
+    for first in range(1, 1001, 10):
+        c.report_steps(0, "n0", 0, batch(0, first))
+    assert len(c._ranks[0].window) == 20 and len(c._ranks[0].batches) <= 8
