@@ -1,0 +1,553 @@
+"""The guarded DataLoader: sized from measured batches, sharded exactly once, resumable.
+
+``GuardedDataLoader(dataset, batch_size)`` inside a Ray Train worker:
+
+* shards with a DistributedSampler from the worker's rank and world size (see
+  :mod:`raytrain_guard.runtime.sampler` for the exactly-once and padding contract) and calls
+  ``set_epoch`` itself: iterating to the end of an epoch moves to the next one;
+* measures the bytes of a real batch before any worker starts (``dataset[0..k-1]`` collated in
+  this process, scaled to the batch size) and asks the planner rule
+  (:func:`raytrain_guard.core.dataloader_sizing.size_dataloader`) for ``num_workers`` and
+  ``prefetch_factor``; ``pin_memory`` on CUDA;
+* builds the torch DataLoader itself, so ``prefetch_factor`` and ``persistent_workers`` are
+  kept (Ray's ``prepare_data_loader`` drops both);
+* times how long the training loop waits for each batch and counts the batch's bytes (two clock
+  reads and one walk over the batch per step; no device synchronization);
+* keeps ``device_prefetch_depth`` batches already on the device
+  (:mod:`raytrain_guard.runtime.device_prefetch`);
+* re-plans ``num_workers``/``prefetch_factor`` at each epoch boundary from the largest batch it
+  delivered, host pressure (psutil) and any cap set by :meth:`request_prefetch_factor`;
+* watches the workers' private memory on a background thread and warns once of copy-on-read
+  (:mod:`raytrain_guard.runtime.worker_memory`).
+
+Resuming: ``state_dict()`` holds the epoch and the position in the epoch's permutation
+(``samples_consumed``, all ranks together); ``load_state_dict`` continues from there, skipping
+the consumed indices in the sampler, never by loading batches. Breaking out of a loop and
+iterating again also continues the epoch where the loop stopped.
+
+Errors are raised in ``__init__`` where possible (empty dataset, samples of different type or
+shape, one batch over the host budget), from figures every rank computes alike, so every rank
+raises the same error before any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.dataloader_sizing import DataLoaderPlan, size_dataloader
+from raytrain_guard.errors import InputError, PlanInputError
+from raytrain_guard.runtime.batches import batch_nbytes, batch_signature
+from raytrain_guard.runtime.context import current_context
+from raytrain_guard.runtime.device_prefetch import DevicePrefetcher
+from raytrain_guard.runtime.sampler import ResumableDistributedSampler
+from raytrain_guard.runtime.worker_memory import WorkerMemoryWatcher
+from raytrain_guard.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+_NUM_CHECKED_BATCHES = 3          # delivered batches whose signature is compared to the probe's
+_COLLATE_ERRORS = ("stack expects each tensor to be equal size",
+                   "each element in list of batch should be of equal size",
+                   "Trying to resize storage that is not resizable")   # in a worker (shm)
+_SAME_SHAPE_FIX = ("make __getitem__ return the same structure, dtype and per-sample shape for "
+                   "every sample, or pass a collate_fn that pads")
+
+HostProbe = Callable[[], "tuple[int, int]"]   # () -> (total bytes, available bytes)
+
+
+def psutil_host_memory() -> tuple[int, int]:
+    """Host RAM (total, available) from psutil."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return int(vm.total), int(vm.available)
+
+
+class GuardedDataLoader:
+    """A DataLoader for one training process, sized, sharded and watched by the guard."""
+
+    def __init__(self, dataset: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, collate_fn: Callable[[list], Any] | None = None,
+                 config: GuardConfig = GuardConfig(), world_rank: int | None = None,
+                 world_size: int | None = None, device: Any = None,
+                 num_workers: int | None = None, prefetch_factor: int | None = None,
+                 host_memory_bytes: int | None = None, gpus_per_node: int | None = None,
+                 cpus_per_node: int | None = None, device_prefetch_depth: int = 1,
+                 persistent_workers: bool = True, clock: Callable[[], float] = time.perf_counter,
+                 host_memory_probe: HostProbe | None = None,
+                 multiprocessing_context: Any = None, watch_worker_memory: bool = True) -> None:
+        _check_int("batch_size", batch_size, 1, "pass the per-rank micro-batch size, e.g. 32")
+        _check_int("device_prefetch_depth", device_prefetch_depth, 0, "use 0 (off), 1 or 2")
+        if num_workers is not None:
+            _check_int("num_workers", num_workers, 0, "use None to let the guard size it")
+        if prefetch_factor is not None:
+            _check_int("prefetch_factor", prefetch_factor, 1, "use None to let the guard size it")
+        num_samples = _dataset_len(dataset)
+        ctx = None
+        if world_rank is None or world_size is None or gpus_per_node is None:
+            ctx = current_context()
+        self.world_size = ctx.world_size if world_size is None else world_size
+        self.world_rank = ctx.world_rank if world_rank is None else world_rank
+        _check_int("world_size", self.world_size, 1, "pass the number of data-parallel ranks")
+        if not isinstance(self.world_rank, int) or not 0 <= self.world_rank < self.world_size:
+            raise InputError("world_rank", f"must be in [0, {self.world_size - 1}]",
+                             value=self.world_rank, fix="pass this process's rank in the run")
+
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.num_samples = num_samples
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.config = config
+        self._collate_fn = collate_fn
+        self._clock = clock
+        self._user_num_workers = num_workers
+        self._user_prefetch_factor = prefetch_factor
+        self._persistent_workers = bool(persistent_workers)
+        self._mp_context = multiprocessing_context
+        self._host_memory_bytes = host_memory_bytes
+        self._host_probe = host_memory_probe or psutil_host_memory
+        self._gpus_per_node = gpus_per_node if gpus_per_node is not None else max(
+            1, ctx.local_world_size)
+        self._cpus_per_node = cpus_per_node if cpus_per_node is not None else _cpu_count()
+        self.device = torch.device(device) if device is not None else None
+        self._pin_memory = (self.device is not None and self.device.type == "cuda"
+                            and torch.cuda.is_available())
+        self._stage_in_host_memory = self.device is not None and self.device.type != "cuda"
+
+        # Measure a real batch and check the samples agree, before any worker exists.
+        self._probe_signature, self.probe_batch_bytes = self._probe_batch()
+        self._list_backed = _is_list_backed(dataset, config)
+        self._requested_prefetch: int | None = None
+        self._max_batch_bytes = 0
+        self.plan = self._make_plan(self.probe_batch_bytes)   # raises PlanInputError if too big
+        self._device_prefetch_depth = self._fit_device_depth(device_prefetch_depth, warn=False)
+
+        self._sampler = ResumableDistributedSampler(
+            dataset, num_replicas=self.world_size, rank=self.world_rank, shuffle=self.shuffle,
+            seed=self.seed, drop_last=self.drop_last)
+        if len(self) == 0:
+            raise InputError("batch_size", f"leaves no batch: {num_samples} samples over "
+                             f"{self.world_size} ranks with drop_last give each rank fewer than "
+                             f"{batch_size}", value=batch_size,
+                             fix="use a smaller batch_size, or drop_last=False")
+        self._torch_loader: DataLoader | None = None
+        self._torch_iter: Any = None
+        self._generation = 0
+        # position in the epoch's permutation before the current iterator; batches since then
+        self._epoch = 0
+        self._position = 0
+        self._batches_base = 0
+        self._batches_in_iter = 0
+        self._epoch_started = False
+        # per-step figures
+        self.last_data_wait_s = 0.0
+        self.last_batch_bytes = 0
+        self._wait_total_s = 0.0
+        self._wait_max_s = 0.0
+        self._wall_total_s = 0.0
+        self._num_batches = 0
+        self._num_checked = 0
+        self._replans = 0
+        self._watcher: WorkerMemoryWatcher | None = None
+        if watch_worker_memory:
+            ref = weakref.ref(self)
+            self._watcher = WorkerMemoryWatcher(
+                lambda: ref().worker_pids() if ref() is not None else (),
+                interval_s=config.worker_memory_interval_s,
+                num_samples=config.worker_memory_growth_samples,
+                min_growth_bytes=config.worker_memory_growth_bytes)
+            weakref.finalize(self, self._watcher.stop)
+        logger.info("rank %d/%d: %s", self.world_rank, self.world_size, self.plan.reason)
+        for warning in self.plan.warnings:
+            logger.warning("rank %d: %s", self.world_rank, warning)
+
+    # -- planning -------------------------------------------------------------------------------
+    def _probe_batch(self) -> tuple[Any, int]:
+        """Collate dataset[0..k-1] here: (signature, bytes scaled to one full batch)."""
+        k = min(self.config.loader_probe_samples, self.batch_size, self.num_samples)
+        samples = [self.dataset[i] for i in range(k)]
+        first = batch_signature(default_collate([samples[0]])) if self._collate_fn is None \
+            else None
+        if first is not None:
+            for i, sample in enumerate(samples[1:], start=1):
+                sig = batch_signature(default_collate([sample]))
+                if sig != first:
+                    raise InputError("dataset", f"sample {i} differs from sample 0 in type or "
+                                     f"shape: {sig} vs {first}", value=type(self.dataset).__name__,
+                                     fix=_SAME_SHAPE_FIX)
+        collate = self._collate_fn or default_collate
+        try:
+            batch = collate(samples)
+        except (RuntimeError, TypeError) as exc:
+            raise InputError("dataset", f"samples 0..{k - 1} cannot be collated into a batch "
+                             f"({exc})", value=type(self.dataset).__name__,
+                             fix=_SAME_SHAPE_FIX) from exc
+        nbytes = math.ceil(batch_nbytes(batch) * self.batch_size / k)
+        return batch_signature(batch, shapes=self._collate_fn is None), max(1, nbytes)
+
+    def _host_for_plan(self) -> tuple[int, str]:
+        """Host bytes the rule divides: total RAM, or what is available under pressure."""
+        if self._host_memory_bytes is not None:
+            return int(self._host_memory_bytes), ""
+        try:
+            total, available = self._host_probe()
+        except Exception as exc:  # noqa: BLE001 - fail open: plan from the last known figure
+            logger.warning("host memory probe failed (%r); planning from os figures", exc)
+            total = available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        used_frac = 1.0 - available / total if total else 0.0
+        if used_frac >= self.config.host_memory_watermark_frac:
+            return int(available), (f"host under pressure ({used_frac:.0%} used >= "
+                                    f"{self.config.host_memory_watermark_frac:.0%}): budget "
+                                    f"from {format_bytes(available)} available; ")
+        return int(total), ""
+
+    def _make_plan(self, batch_bytes: int) -> DataLoaderPlan:
+        host, pressure = self._host_for_plan()
+        plan = size_dataloader(batch_bytes=batch_bytes, host_memory_bytes=host,
+                               gpus_per_node=self._gpus_per_node,
+                               cpus_per_node=self._cpus_per_node, pin_memory=self._pin_memory,
+                               config=self.config, list_backed_dataset=self._list_backed)
+        workers, prefetch, why = plan.num_workers, plan.prefetch_factor, pressure + plan.reason
+        if self._user_num_workers is not None and self._user_num_workers != workers:
+            workers = self._user_num_workers
+            why += f"; num_workers {workers} as given"
+            prefetch = prefetch or 2
+        if self._user_prefetch_factor is not None and workers:
+            prefetch = self._user_prefetch_factor
+            why += f"; prefetch_factor {prefetch} as given"
+        if self._requested_prefetch is not None and workers and prefetch > self._requested_prefetch:
+            prefetch = self._requested_prefetch
+            why += f"; prefetch_factor capped at {prefetch} by request"
+        if not workers:
+            prefetch = 0
+        per_batch = batch_bytes * (2 if self._pin_memory else 1)
+        host_bytes = max(workers, 1) * max(prefetch, 1) * per_batch
+        warnings = plan.warnings
+        if host_bytes > plan.budget_bytes:
+            warnings += (f"{workers} workers x prefetch {prefetch} x {format_bytes(per_batch)} = "
+                         f"{format_bytes(host_bytes)} exceed the host prefetch budget of "
+                         f"{format_bytes(plan.budget_bytes)}",)
+        return dataclasses.replace(plan, num_workers=workers, prefetch_factor=prefetch,
+                                   host_bytes=host_bytes, reason=why, warnings=warnings)
+
+    def _fit_device_depth(self, depth: int, *, warn: bool) -> int:
+        """Clamp the device-prefetch depth to the host budget when its batches are host memory."""
+        if not self._stage_in_host_memory:
+            return depth
+        room = self.plan.budget_bytes - self.plan.host_bytes
+        fits = max(0, room // max(1, self._batch_bytes()))
+        if depth <= fits:
+            return depth
+        log = logger.warning if warn else logger.info
+        log("rank %d: device_prefetch_depth %d lowered to %d: on %s its batches are host memory "
+            "and only %s of the %s budget is left", self.world_rank, depth, fits, self.device,
+            format_bytes(room), format_bytes(self.plan.budget_bytes))
+        return int(fits)
+
+    def _batch_bytes(self) -> int:
+        return self._max_batch_bytes or self.probe_batch_bytes
+
+    def _replan(self) -> None:
+        """At an epoch boundary: re-size from the largest delivered batch and host pressure."""
+        try:
+            plan = self._make_plan(self._batch_bytes())
+        except PlanInputError as exc:  # fail open: smallest queue, keep training
+            plan = dataclasses.replace(self.plan, prefetch_factor=min(1, self.plan.prefetch_factor),
+                                       reason=f"re-plan failed ({exc}); prefetch_factor 1")
+            logger.warning("rank %d: %s", self.world_rank, plan.reason)
+        changed = (plan.num_workers, plan.prefetch_factor) != (self.plan.num_workers,
+                                                               self.plan.prefetch_factor)
+        self.plan = plan
+        self._device_prefetch_depth = self._fit_device_depth(self._device_prefetch_depth,
+                                                             warn=True)
+        if changed:
+            self._replans += 1
+            logger.info("rank %d epoch %d: re-planned DataLoader: %s", self.world_rank,
+                        self._epoch, plan.reason)
+            self._close_torch_loader()
+
+    # -- the torch DataLoader -------------------------------------------------------------------
+    def _build_torch_loader(self) -> DataLoader:
+        workers = self.plan.num_workers
+        return DataLoader(
+            self.dataset, batch_size=self.batch_size, sampler=self._sampler,
+            drop_last=self.drop_last, collate_fn=self._collate_fn, num_workers=workers,
+            prefetch_factor=self.plan.prefetch_factor if workers else None,
+            persistent_workers=self._persistent_workers and workers > 0,
+            pin_memory=self._pin_memory, multiprocessing_context=self._mp_context if workers
+            else None, generator=torch.Generator().manual_seed(self.seed))
+
+    def _close_torch_loader(self) -> None:
+        it, self._torch_iter, self._torch_loader = self._torch_iter, None, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception as exc:  # noqa: BLE001 - fail open
+                logger.debug("shutting down DataLoader workers: %r", exc)
+
+    @property
+    def torch_loader(self) -> DataLoader:
+        """The underlying torch DataLoader (built on first use, rebuilt by a re-plan)."""
+        if self._torch_loader is None:
+            self._torch_loader = self._build_torch_loader()
+        return self._torch_loader
+
+    def worker_pids(self) -> tuple[int, ...]:
+        """Process ids of the live DataLoader workers (empty without workers)."""
+        workers = getattr(self._torch_iter, "_workers", None) or ()
+        return tuple(w.pid for w in workers if w.pid is not None)
+
+    # -- iteration ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        self._position = self._current_position()
+        self._batches_base += self._batches_in_iter
+        self._batches_in_iter = 0
+        if self._position >= self.num_samples or self._batches_left(self._position) == 0:
+            self._finish_epoch()
+        if self._position == 0 and self._batches_base == 0 and self._epoch_started:
+            self._replan()
+        self._epoch_started = True
+        self._sampler.set_epoch(self._epoch)
+        self._sampler.set_start(self._position)
+        self._generation += 1
+        self._torch_iter = iter(self.torch_loader)
+        if self._watcher is not None and self.plan.num_workers > 0:
+            self._watcher.start()
+        source: Iterator[Any] = self._torch_iter
+        prefetcher = None
+        if self.device is not None:
+            prefetcher = DevicePrefetcher(source, self.device, self._device_prefetch_depth)
+            source = prefetcher
+        return self._batches(source, prefetcher, self._generation)
+
+    def _batches(self, source: Iterator[Any], prefetcher: DevicePrefetcher | None,
+                 generation: int) -> Iterator[Any]:
+        clock = self._clock
+        last = clock()
+        while generation == self._generation:
+            if prefetcher is not None and prefetcher.depth != self._device_prefetch_depth:
+                prefetcher.set_depth(self._device_prefetch_depth)
+            t0 = clock()
+            try:
+                batch = next(source)
+            except StopIteration:
+                self._finish_epoch()
+                return
+            except RuntimeError as exc:
+                if any(text in str(exc) for text in _COLLATE_ERRORS):
+                    raise InputError("dataset", "samples of different shapes in one batch",
+                                     value=type(self.dataset).__name__,
+                                     fix=_SAME_SHAPE_FIX) from exc
+                raise
+            now = clock()
+            wait = now - t0
+            nbytes = batch_nbytes(batch)
+            self.last_data_wait_s = wait
+            self.last_batch_bytes = nbytes
+            if nbytes > self._max_batch_bytes:
+                self._max_batch_bytes = nbytes
+            self._wait_total_s += wait
+            if wait > self._wait_max_s:
+                self._wait_max_s = wait
+            self._wall_total_s += now - last
+            last = now
+            self._num_batches += 1
+            if self._num_checked < _NUM_CHECKED_BATCHES:
+                self._check_batch(batch)
+            self._batches_in_iter += 1
+            yield batch
+
+    def _check_batch(self, batch: Any) -> None:
+        self._num_checked += 1
+        sig = batch_signature(batch, shapes=self._collate_fn is None)
+        if sig != self._probe_signature:
+            raise InputError("dataset", f"batch {self._num_checked - 1} differs in type or shape "
+                             f"from the first samples: {sig} vs {self._probe_signature}",
+                             value=type(self.dataset).__name__, fix=_SAME_SHAPE_FIX)
+
+    def _finish_epoch(self) -> None:
+        self._epoch += 1
+        self._position = 0
+        self._batches_base = 0
+        self._batches_in_iter = 0
+
+    def _batches_left(self, position: int) -> int:
+        """Batches this rank still delivers in the current epoch from ``position``."""
+        self._sampler.set_start(position)
+        n = len(self._sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _current_position(self) -> int:
+        consumed = self._batches_in_iter * self.batch_size * self.world_size
+        return min(self.num_samples, self._position + consumed)
+
+    def __len__(self) -> int:
+        """Batches of a whole epoch on this rank."""
+        per_rank = (self.num_samples // self.world_size if self.drop_last
+                    else -(-self.num_samples // self.world_size))
+        return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
+
+    # -- epoch and resume -----------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def batches_consumed(self) -> int:
+        """Batches this rank has delivered in the current epoch (resumed ones included)."""
+        return self._batches_base + self._batches_in_iter
+
+    @property
+    def num_padding_samples(self) -> int:
+        """Samples delivered twice in a whole epoch to equalize shards (0 with drop_last)."""
+        return 0 if self.drop_last else (-self.num_samples) % self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning; a no-op for the current epoch (keeps a resume)."""
+        _check_int("epoch", epoch, 0, "pass the epoch number, from 0")
+        if epoch == self._epoch:
+            return
+        self._generation += 1           # a live iterator of the old epoch stops
+        self._epoch = epoch
+        self._position = 0
+        self._batches_base = 0
+        self._batches_in_iter = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: enough to continue with no sample lost or repeated."""
+        return {"epoch": self._epoch, "batches_consumed": self.batches_consumed,
+                "samples_consumed": self._current_position(), "seed": self.seed,
+                "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "num_samples": self.num_samples, "batch_size": self.batch_size,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; also valid after a change of world size or batch size."""
+        for key in ("epoch", "batches_consumed"):
+            if key not in state:
+                raise InputError(f"state_dict[{key!r}]", "missing", value=sorted(state),
+                                 fix="pass a dict from GuardedDataLoader.state_dict()")
+        if state.get("num_samples", self.num_samples) != self.num_samples:
+            raise InputError("state_dict['num_samples']", "differs from this dataset's length "
+                             f"{self.num_samples}", value=state["num_samples"],
+                             fix="resume with the dataset the state was saved with")
+        for key in ("seed", "shuffle", "drop_last"):
+            if key in state and state[key] != getattr(self, key):
+                logger.warning("rank %d: resuming with the saved %s=%r instead of %r, so the "
+                               "epoch order matches", self.world_rank, key, state[key],
+                               getattr(self, key))
+                setattr(self, key, state[key])
+        self._sampler.seed, self._sampler.shuffle = self.seed, self.shuffle
+        self._sampler.drop_last = self.drop_last
+        position = state.get("samples_consumed")
+        if position is None:
+            position = (int(state["batches_consumed"]) * int(state.get("batch_size", self.batch_size))
+                        * int(state.get("world_size", self.world_size)))
+        self._generation += 1
+        self._epoch = int(state["epoch"])
+        self._position = min(self.num_samples, int(position))
+        self._batches_base = int(state["batches_consumed"])
+        self._batches_in_iter = 0
+        self._epoch_started = True
+
+    # -- run-time controls ----------------------------------------------------------------------
+    def set_device_prefetch_depth(self, depth: int) -> int:
+        """Keep ``depth`` batches ready on the device from the next batch on; returns the depth
+        applied (lowered to what the host budget leaves when the stage holds host memory)."""
+        _check_int("device_prefetch_depth", depth, 0, "use 0 (off), 1 or 2")
+        self._device_prefetch_depth = self._fit_device_depth(depth, warn=True)
+        return self._device_prefetch_depth
+
+    @property
+    def device_prefetch_depth(self) -> int:
+        return self._device_prefetch_depth
+
+    def request_prefetch_factor(self, prefetch_factor: int | None) -> None:
+        """Cap the workers' prefetch_factor from the next epoch boundary (None lifts the cap).
+
+        A cap, never a raise above the plan: the loader stays within its host budget.
+        """
+        if prefetch_factor is not None:
+            _check_int("prefetch_factor", prefetch_factor, 1, "use 1 or more, or None")
+        self._requested_prefetch = prefetch_factor
+
+    def stats(self) -> dict[str, Any]:
+        """Data-wait totals, batches, bytes in flight (estimate), re-plans."""
+        batch = self._batch_bytes()
+        in_flight = self.plan.num_workers * self.plan.prefetch_factor * batch * (
+            2 if self._pin_memory else 1) + self._device_prefetch_depth * batch
+        watcher = self._watcher
+        return {"epoch": self._epoch, "batches_consumed": self.batches_consumed,
+                "batches": self._num_batches, "last_data_wait_s": self.last_data_wait_s,
+                "data_wait_total_s": self._wait_total_s, "data_wait_max_s": self._wait_max_s,
+                "wall_total_s": self._wall_total_s,
+                "data_wait_frac": self._wait_total_s / self._wall_total_s
+                if self._wall_total_s > 0 else 0.0,
+                "last_batch_bytes": self.last_batch_bytes, "max_batch_bytes": self._max_batch_bytes,
+                "bytes_in_flight_estimate": in_flight, "host_budget_bytes": self.plan.budget_bytes,
+                "num_workers": self.plan.num_workers, "prefetch_factor": self.plan.prefetch_factor,
+                "device_prefetch_depth": self._device_prefetch_depth, "replans": self._replans,
+                "worker_private_bytes": watcher.last_private_bytes if watcher else 0,
+                "copy_on_read_warned": bool(watcher and watcher.warned)}
+
+    @property
+    def worker_memory_watcher(self) -> WorkerMemoryWatcher | None:
+        return self._watcher
+
+    def close(self) -> None:
+        """Stop the workers and the memory watcher."""
+        if self._watcher is not None:
+            self._watcher.stop()
+        self._generation += 1
+        self._close_torch_loader()
+
+    def __enter__(self) -> "GuardedDataLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _check_int(name: str, value: Any, lo: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise InputError(name, f"must be an integer >= {lo}", value=value, fix=fix)
+
+
+def _dataset_len(dataset: Any) -> int:
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise InputError("dataset", "has no length", value=type(dataset).__name__,
+                         fix="pass a map-style dataset (__len__ and __getitem__)") from None
+    if n == 0:
+        raise InputError("dataset", "is empty", value=0,
+                         fix="check the data path or the filter that built the dataset")
+    return n
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _is_list_backed(dataset: Any, config: GuardConfig) -> bool:
+    """A dataset attribute that is a large Python list/tuple/dict (copy-on-read in workers)."""
+    for value in getattr(dataset, "__dict__", {}).values():
+        if isinstance(value, (list, tuple, dict)) and len(value) >= config.list_dataset_min_items:
+            return True
+    return False
