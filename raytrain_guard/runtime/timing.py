@@ -1,0 +1,212 @@
+"""Step timing: cheap phase marks and a DDP communication hook that times the allreduce.
+
+Definitions (seconds, per rank and step):
+
+* ``total_s``: from :meth:`StepTimer.begin_step` (or the end of the previous step) to
+  :meth:`StepTimer.finish_step`.
+* a phase (``data``, ``forward``, ``backward``, ``optimizer``): the time between the previous
+  mark and :meth:`StepTimer.mark` of that phase (a lap timer), or the body of
+  ``with timer.phase(name)``. Repeated marks of one phase in a step add up (micro-batches).
+* ``comm_wait_s``: what the step waited on the network after its backward compute, i.e. the
+  completion of the last bucket's allreduce future minus the moment the last bucket became
+  ready (DDP's ``bucket.is_last()``: the end of the backward compute), 0 when that completion
+  came first (fully overlapped) or when no hook ran (no DDP, ``no_sync``). Earlier buckets count
+  when they complete after the last one became ready. DDP's ``backward()`` only returns once
+  every bucket is reduced, so the backward mark includes this wait: ``backward_s`` is reported
+  without it (backward mark minus ``comm_wait_s``), and ``compute_s`` excludes it.
+
+On CPU the clock is ``time.perf_counter`` and :meth:`StepTimer.finish_step` returns the step
+it finishes. On CUDA every stamp is a ``torch.cuda.Event`` recorded on the current stream (the
+GPU timeline); :meth:`~StepTimer.finish_step` never synchronizes: it returns the oldest earlier
+step whose events all report ``query()`` done (normally the previous step), or ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any, Callable, Iterator
+
+from raytrain_guard.core.steps import StepStats
+from raytrain_guard.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+#: Phase names accepted by :meth:`StepTimer.mark`, and the StepStats field each one fills.
+PHASE_FIELDS = {"data": "data_wait_s", "data_wait": "data_wait_s", "forward": "forward_s",
+                "backward": "backward_s", "optimizer": "optimizer_s"}
+
+
+class _StepRecord:
+    """Stamps of one step: floats on CPU, CUDA events on CUDA."""
+
+    __slots__ = ("step", "marks", "last_ready", "done")
+
+    def __init__(self, start: Any) -> None:
+        self.step = -1
+        self.marks: list[tuple[str | None, Any]] = [(None, start)]  # (phase ended, stamp)
+        self.last_ready: Any = None      # stamp when the last bucket became ready
+        self.done: list[Any] = []        # stamps of allreduce completions
+
+
+class StepTimer:
+    """Per-step phase timer of one rank. Cheap: a clock read and a list append per mark.
+
+    ``device``: ``"cuda"`` (or a CUDA ``torch.device``) for event timing on the GPU timeline,
+    anything else for host time. ``clock`` is the host clock (tests pass a fake one).
+    ``max_pending`` bounds the CUDA steps waiting for their events.
+    """
+
+    def __init__(self, *, device: Any = None, clock: Callable[[], float] = time.perf_counter,
+                 world_rank: int = 0, max_pending: int = 4) -> None:
+        self.world_rank = world_rank
+        self._clock = clock
+        self._cuda = str(device).startswith("cuda") if device is not None else False
+        self._max_pending = max_pending
+        self._pending: deque[_StepRecord] = deque()
+        self._dropped = 0
+        self._record = _StepRecord(self._stamp())
+
+    @property
+    def uses_cuda_events(self) -> bool:
+        """True when stamps are CUDA events (stats come back one step later)."""
+        return self._cuda
+
+    def begin_step(self, step: int) -> None:
+        """Start timing ``step`` now (optional: a step otherwise starts where the last ended)."""
+        self._record = _StepRecord(self._stamp())
+        self._record.step = step
+
+    def mark(self, phase: str) -> None:
+        """End ``phase`` now: the time since the previous mark is counted as ``phase``."""
+        if phase not in PHASE_FIELDS:
+            raise InputError("phase", "unknown phase", value=phase,
+                             fix=f"use one of {', '.join(sorted(PHASE_FIELDS))}")
+        self._record.marks.append((phase, self._stamp()))
+
+    @contextlib.contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """``with timer.phase("forward"): ...`` counts the body as ``phase``."""
+        if phase not in PHASE_FIELDS:
+            raise InputError("phase", "unknown phase", value=phase,
+                             fix=f"use one of {', '.join(sorted(PHASE_FIELDS))}")
+        self._record.marks.append((None, self._stamp()))
+        try:
+            yield
+        finally:
+            self._record.marks.append((phase, self._stamp()))
+
+    def finish_step(self, step: int) -> StepStats | None:
+        """Close ``step``; return its stats (CPU) or the oldest finished earlier step's (CUDA)."""
+        end = self._stamp()
+        record = self._record
+        record.step = step
+        record.marks.append((None, end))
+        self._record = _StepRecord(end)
+        if not self._cuda:
+            return self._stats(record, lambda a, b: b - a)
+        self._pending.append(record)
+        if len(self._pending) > self._max_pending:
+            self._pending.popleft()
+            self._dropped += 1
+            if self._dropped == 1:
+                logger.warning("rank %d: step timings dropped: the GPU is more than %d steps "
+                               "behind the host", self.world_rank, self._max_pending)
+        if self._pending and _all_done(self._pending[0]):
+            return self._stats(self._pending.popleft(), _elapsed_s)
+        return None
+
+    # -- called by the communication hook (autograd and communication threads) ---------------
+    def record_bucket_ready(self, is_last: bool) -> None:
+        """A DDP bucket's gradients are computed; ``is_last``: the backward compute is over."""
+        if is_last:
+            self._record.last_ready = self._stamp()
+
+    def record_bucket_done(self) -> None:
+        """A bucket's allreduce future completed."""
+        self._record.done.append(self._stamp())
+
+    # -- internals ---------------------------------------------------------------------------
+    def _stamp(self) -> Any:
+        if not self._cuda:
+            return self._clock()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _stats(self, record: _StepRecord,
+               elapsed: Callable[[Any, Any], float]) -> StepStats:
+        sums = {"data_wait_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+        marks = record.marks
+        for (_, start), (phase, end) in zip(marks, marks[1:]):
+            if phase is not None:
+                sums[PHASE_FIELDS[phase]] += elapsed(start, end)
+        comm_wait_s = 0.0
+        if record.last_ready is not None and record.done:
+            comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
+        sums["backward_s"] = max(0.0, sums["backward_s"] - comm_wait_s)
+        return StepStats(step=record.step, total_s=elapsed(marks[0][1], marks[-1][1]),
+                         comm_wait_s=comm_wait_s, world_rank=self.world_rank, **sums)
+
+
+def _all_done(record: _StepRecord) -> bool:
+    events = [stamp for _, stamp in record.marks] + record.done
+    if record.last_ready is not None:
+        events.append(record.last_ready)
+    return all(e.query() for e in events)
+
+
+def _elapsed_s(start: Any, end: Any) -> float:
+    return start.elapsed_time(end) / 1000.0
+
+
+def attach_comm_timer(ddp_model: Any, timer: StepTimer, *, hook: Callable | None = None,
+                      state: Any = None) -> None:
+    """Register a DDP communication hook that times each bucket's allreduce into ``timer``.
+
+    ``hook`` is the hook to wrap (default: ``allreduce_hook``, DDP's own behaviour) and
+    ``state`` its state (default: ``None``, the default process group). The wrapper stamps
+    the moment each bucket is ready, calls ``hook``, and stamps the completion of its future
+    in a ``then`` callback (on CUDA an event on the callback's stream, which waits for the
+    collective). DDP accepts one hook per model: call this once, instead of
+    ``register_comm_hook``. This is the one function here that touches torch.distributed.
+    """
+    if hook is None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        hook = allreduce_hook
+    if not hasattr(ddp_model, "register_comm_hook"):
+        raise InputError("ddp_model", "has no register_comm_hook",
+                         value=type(ddp_model).__name__,
+                         fix="pass the DistributedDataParallel-wrapped model")
+    inner = hook
+
+    def timed_hook(hook_state, bucket):  # unannotated: DDP checks hook annotations
+        _fail_open(timer.record_bucket_ready, bucket.is_last())
+        future = inner(hook_state, bucket)
+
+        def done(fut: Any) -> Any:
+            _fail_open(timer.record_bucket_done)
+            return fut.value()
+
+        return future.then(done)
+
+    ddp_model.register_comm_hook(state, timed_hook)
+
+
+_hook_failed = False
+
+
+def _fail_open(fn: Callable, *args: Any) -> None:
+    """Timing must never break the allreduce: log the first failure and go on."""
+    global _hook_failed
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the guard fails open
+        if not _hook_failed:
+            _hook_failed = True
+            logger.warning("communication timing failed; communication waits read 0 from now "
+                           "on where it fails", exc_info=True)

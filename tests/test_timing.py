@@ -1,0 +1,126 @@
+"""StepTimer on the host clock: exact phase arithmetic with a fake clock, and the CUDA path
+(skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_guard.errors import InputError
+from raytrain_guard.runtime.timing import StepTimer
+
+
+class TickClock:
+    """Returns the next value of a script on each call."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def __call__(self) -> float:
+        return self.values.pop(0)
+
+
+def test_lap_marks_and_comm_wait():
+    # Stamps: construction 0.0 (unused, begin_step restarts), begin 1.0, data 1.1, forward 1.3,
+    # last bucket ready 1.55, done 1.60 (a bucket that finished before the last one was ready,
+    # so it does not count beyond the last), done 1.70, backward mark 1.72, optimizer 1.80,
+    # finish 1.85.
+    clock = TickClock(0.0, 1.0, 1.1, 1.3, 1.55, 1.60, 1.70, 1.72, 1.80, 1.85)
+    timer = StepTimer(clock=clock, world_rank=2)
+    timer.begin_step(7)
+    timer.mark("data")
+    timer.mark("forward")
+    timer.record_bucket_ready(is_last=False)   # not stamped: only the last bucket is
+    timer.record_bucket_ready(is_last=True)
+    timer.record_bucket_done()
+    timer.record_bucket_done()
+    timer.mark("backward")
+    timer.mark("optimizer")
+    stats = timer.finish_step(7)
+    # comm_wait = max(1.60, 1.70) - 1.55 = 0.15; backward mark 1.72 - 1.3 = 0.42, minus the
+    # wait -> 0.27; total 1.85 - 1.0 = 0.85.
+    assert stats.step == 7 and stats.world_rank == 2
+    assert stats.total_s == pytest.approx(0.85)
+    assert stats.data_wait_s == pytest.approx(0.1)
+    assert stats.forward_s == pytest.approx(0.2)
+    assert stats.comm_wait_s == pytest.approx(0.15)
+    assert stats.backward_s == pytest.approx(0.27)
+    assert stats.optimizer_s == pytest.approx(0.08)
+    assert stats.compute_s == pytest.approx(0.55)
+
+
+def test_context_manager_phases_leave_gaps_untimed_and_add_up():
+    # begin 0.0; enter forward 0.5, exit 0.6; enter forward 0.7, exit 0.9 (micro-batches add
+    # up: 0.3); finish 1.0. The gaps (0.0-0.5, 0.6-0.7, 0.9-1.0) are in total only.
+    clock = TickClock(0.0, 0.0, 0.5, 0.6, 0.7, 0.9, 1.0)
+    timer = StepTimer(clock=clock)
+    timer.begin_step(0)
+    with timer.phase("forward"):
+        pass
+    with timer.phase("forward"):
+        pass
+    stats = timer.finish_step(0)
+    assert stats.forward_s == pytest.approx(0.3) and stats.total_s == pytest.approx(1.0)
+    assert stats.comm_wait_s == 0.0 and stats.data_wait_s == 0.0
+
+
+def test_step_without_begin_starts_where_the_last_ended():
+    clock = TickClock(0.0, 0.4, 1.0, 1.5)
+    timer = StepTimer(clock=clock)
+    timer.mark("data")                       # 0.0 -> 0.4
+    first = timer.finish_step(0)             # ends at 1.0
+    second = timer.finish_step(1)            # 1.0 -> 1.5
+    assert first.total_s == pytest.approx(1.0) and first.data_wait_s == pytest.approx(0.4)
+    assert second.total_s == pytest.approx(0.5) and second.step == 1
+
+
+def test_comm_fully_overlapped_is_zero():
+    # Completion (0.2) before the last bucket was ready (0.3): nothing exposed.
+    clock = TickClock(0.0, 0.0, 0.2, 0.3, 0.4, 0.5)
+    timer = StepTimer(clock=clock)
+    timer.begin_step(0)
+    timer.record_bucket_done()
+    timer.record_bucket_ready(is_last=True)
+    timer.mark("backward")
+    stats = timer.finish_step(0)
+    assert stats.comm_wait_s == 0.0 and stats.backward_s == pytest.approx(0.4)
+
+
+def test_unknown_phase_names_the_fix():
+    timer = StepTimer()
+    with pytest.raises(InputError, match="unknown phase.*'fwd'.*backward"):
+        timer.mark("fwd")
+    with pytest.raises(InputError):
+        with timer.phase("bogus"):
+            pass
+
+
+def test_real_clock_measures_a_sleep():
+    import time
+
+    timer = StepTimer()
+    timer.begin_step(0)
+    time.sleep(0.02)
+    timer.mark("forward")
+    stats = timer.finish_step(0)
+    assert stats.forward_s >= 0.019 and stats.total_s >= stats.forward_s
+
+
+@pytest.mark.gpu
+def test_cuda_events_come_back_a_step_later():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    timer = StepTimer(device="cuda")
+    x = torch.randn(2048, 2048, device="cuda")
+    got = []
+    for step in range(4):
+        timer.begin_step(step)
+        y = x @ x
+        timer.mark("forward")
+        got.append(timer.finish_step(step))
+        del y
+    torch.cuda.synchronize()
+    got.append(timer.finish_step(4))
+    done = [s for s in got if s is not None]
+    assert done and done[0].step == 0 and done[0].forward_s > 0
+    assert [s.step for s in done] == sorted(s.step for s in done)
