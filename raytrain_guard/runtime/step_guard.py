@@ -1,0 +1,182 @@
+"""The per-worker step guard: timer + probe + gate, with the local actions applied.
+
+Use in a training loop::
+
+    guard = StepGuard(config, probe=ProcessMemoryProbe(config), world_rank=rank)
+    attach_comm_timer(ddp_model, guard.timer)       # optional: communication wait
+    for step, batch in enumerate(loader_iter):      # or: guard.begin_step(step) before fetching
+        guard.mark("data")
+        loss = model(batch).sum(); guard.mark("forward")
+        loss.backward();           guard.mark("backward")
+        opt.step();                guard.mark("optimizer")
+        for decision in guard.end_step(step):
+            if decision.action is Action.CHECKPOINT_AND_STOP: ...   # the loop's to act on
+
+Per step: a few clock reads, one probe read (allocator counters or one ``/proc`` read), the
+pure gate. No RPC, no NVML, no device synchronization. The guard fails open: a probe or gate
+that raises is logged once and the step goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import gc
+import logging
+import sys
+import time
+from collections import deque
+from typing import Any, Callable, Iterator
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.decisions import Action, Cause, Decision
+from raytrain_guard.core.gate import StepGate
+from raytrain_guard.core.steps import StepStats
+from raytrain_guard.runtime.timing import StepTimer
+
+logger = logging.getLogger(__name__)
+
+
+class StepGuard:
+    """Joins a :class:`StepTimer`, a memory probe and a :class:`StepGate` for one worker.
+
+    ``probe``: anything with ``read() -> MemoryReading`` (None: timing rules only).
+    ``timer``: defaults to a host-clock :class:`StepTimer`. ``clock``: the gate's clock.
+    ``on_decision``: called with every decision after it was applied locally.
+    ``fault_injector``: a :class:`~raytrain_guard.runtime.probes.FaultInjector` whose delays
+    run before the matching :meth:`mark`. ``sleep``: used for pacing (tests pass a fake).
+    """
+
+    def __init__(self, config: GuardConfig, *, probe: Any = None, timer: StepTimer | None = None,
+                 clock: Callable[[], float] = time.monotonic, world_rank: int = 0,
+                 on_decision: Callable[[Decision], None] | None = None,
+                 fault_injector: Any = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.config = config
+        self.probe = probe
+        self.timer = timer if timer is not None else StepTimer(world_rank=world_rank)
+        self.world_rank = world_rank
+        self.gate = StepGate(config, clock=clock,
+                             memory_cause=getattr(probe, "cause", Cause.DEVICE_MEMORY))
+        self.on_decision = on_decision
+        self.fault_injector = fault_injector
+        self._sleep = sleep
+        self._pace_delay_s = 0.0
+        self._step = 0
+        self._stats: deque[StepStats] = deque(maxlen=max(config.step_window,
+                                                         config.report_every_steps))
+        self._failed: set[str] = set()
+        self.last_reading: Any = None
+
+    # -- the step ----------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Start ``step``: pace first when pacing is on, then start the timer."""
+        self._step = step
+        if self._pace_delay_s > 0:
+            self._sleep(self._pace_delay_s)
+        self.timer.begin_step(step)
+
+    def mark(self, phase: str) -> None:
+        """End ``phase`` now (see :meth:`StepTimer.mark`)."""
+        if self.fault_injector is not None:
+            self.fault_injector.on_mark(self._step, phase)
+        self.timer.mark(phase)
+
+    @contextlib.contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """``with guard.phase("forward"): ...``"""
+        with self.timer.phase(phase):
+            yield
+            if self.fault_injector is not None:
+                self.fault_injector.on_mark(self._step, phase)
+
+    def end_step(self, step: int) -> list[Decision]:
+        """Finish ``step``: time it, read the probe, feed the gate, apply local actions
+        (RELEASE_CACHE, PACE) and return every decision. CHECKPOINT_AND_STOP and SLOW_STEP
+        are the caller's. On CUDA the timings belong to an earlier step (see StepTimer)."""
+        stats = self._guarded("timer", self.timer.finish_step, step)
+        reading = self._guarded("probe", self.probe.read) if self.probe is not None else None
+        self.last_reading = reading
+        frac = None
+        if reading is not None:
+            frac = self._guarded("probe", lambda: reading.frac)
+        if stats is not None:
+            stats = dataclasses.replace(stats, memory_frac=frac, world_rank=self.world_rank)
+            self._stats.append(stats)
+            decisions = self._guarded("gate", self.gate.observe, stats)
+        elif frac is not None:
+            decisions = self._guarded("gate", self.gate.observe_memory, step, frac,
+                                      world_rank=self.world_rank)
+        else:
+            decisions = None
+        for decision in decisions or ():
+            self._apply(decision)
+        self._step = step + 1
+        return list(decisions or ())
+
+    def drain_stats(self) -> list[StepStats]:
+        """The StepStats kept since the last drain (at most max(step_window,
+        report_every_steps)), oldest first, for a batch to the coordinator."""
+        out = list(self._stats)
+        self._stats.clear()
+        return out
+
+    @property
+    def pace_delay_s(self) -> float:
+        """The pacing sleep now applied before each step (0: not pacing)."""
+        return self._pace_delay_s
+
+    # -- actions -----------------------------------------------------------------------------
+    def _apply(self, decision: Decision) -> None:
+        if decision.action is Action.RELEASE_CACHE:
+            self._guarded("release_cache", release_cache)
+        elif decision.action is Action.PACE:
+            self._pace_delay_s = float(decision.params.get("delay_s", 0.0))
+        log = logger.warning if decision.action in (Action.CHECKPOINT_AND_STOP,
+                                                    Action.SLOW_STEP) else logger.info
+        log("%s", decision)
+        if self.on_decision is not None:
+            self._guarded("on_decision", self.on_decision, decision)
+
+    def _guarded(self, part: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run a guard part; on failure log once per part and return None (fail open)."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the guard fails open
+            if part not in self._failed:
+                self._failed.add(part)
+                logger.warning("rank %d step %d: guard part %r failed; training goes on "
+                               "(logged once)", self.world_rank, self._step, part,
+                               exc_info=True)
+            return None
+
+
+def release_cache() -> str:
+    """Give cached memory back: ``torch.cuda.empty_cache()`` where CUDA is initialised, else
+    ``gc.collect()`` and glibc's ``malloc_trim(0)`` where available. Returns what it did."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        return "torch.cuda.empty_cache"
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+        return "gc.collect + malloc_trim"
+    return "gc.collect"
+
+
+_MALLOC_TRIM: Any = False
+
+
+def _malloc_trim() -> Any:
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is False:
+        _MALLOC_TRIM = None
+        name = ctypes.util.find_library("c")
+        if name:
+            with contextlib.suppress(OSError, AttributeError):
+                _MALLOC_TRIM = ctypes.CDLL(name).malloc_trim
+    return _MALLOC_TRIM
