@@ -324,8 +324,6 @@ class GuardedDataLoader:
         self._sampler.set_start(self._position)
         self._generation += 1
         self._torch_iter = iter(self.torch_loader)
-        if self._watcher is not None and self.plan.num_workers > 0:
-            self._watcher.start()
         source: Iterator[Any] = self._torch_iter
         prefetcher = None
         if self.device is not None:
@@ -368,6 +366,8 @@ class GuardedDataLoader:
             if self._num_checked < _NUM_CHECKED_BATCHES:
                 self._check_batch(batch)
             self._batches_in_iter += 1
+            if self._batches_in_iter == 1 and self._watcher is not None and self.plan.num_workers:
+                self._watcher.start()   # after the first batch: workers are past start-up
             yield batch
 
     def _check_batch(self, batch: Any) -> None:
