@@ -6,6 +6,7 @@
   ``raytrain_guard:monitor:<node id>`` in the namespace, ``get_if_exists=True`` (calling it
   again adds monitors to new nodes only), ``max_restarts=-1``. Each samples every
   ``monitor_interval_s`` and sends its samples to the run's coordinator, fire-and-forget.
+  The actor has NodeMonitor's methods plus ``where() -> str`` (the node it runs on).
 * :func:`start_coordinator` (namespace, run_id, config) -> handle: the
   :class:`~raytrain_guard.cluster.coordinator.Coordinator` named
   ``raytrain_guard:coordinator:<run id>``, ``num_cpus=0``, ``max_restarts``.
@@ -122,6 +123,11 @@ class _MonitorActor(NodeMonitor):
         super().__init__(node_id, config, gpu_probe=gpu_probe, host_probe=host_probe,
                          sink=CoordinatorSink(namespace, run_id), metrics=metrics,
                          autostart=True)
+
+    def where(self) -> str:
+        """The Ray node id this actor actually runs on (to check the affinity)."""
+        import ray
+        return ray.get_runtime_context().get_node_id()
 
 
 class _CoordinatorActor(Coordinator):

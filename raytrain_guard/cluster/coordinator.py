@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from collections import Counter, deque
 from typing import Any, Callable, Mapping, Sequence
 
@@ -93,6 +94,7 @@ class Coordinator:
         self._notes: tuple[str, ...] = ()
         self._decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS_KEPT)
         self._next_id = int(wall_clock() * 1e6)
+        self.incarnation = uuid.uuid4().hex[:12]   # changes when the actor restarts
         self._last_round = clock()   # first round one interval after start
         self.ignored: Counter[str] = Counter({r: 0 for r in IGNORE_REASONS})
         self.num_reports = 0
@@ -256,6 +258,7 @@ class Coordinator:
                   if d.step is None or d.step >= horizon or d.action in
                   (Action.CHECKPOINT_AND_STOP, Action.FLAG_STRAGGLER)][-20:]
         return {"run_id": self.run_id, "attempt": self.attempt, "latest_step": latest,
+                "incarnation": self.incarnation,
                 "step_p50_s": p50, "step_p99_s": p99, "nodes": nodes, "ranks": ranks,
                 "straggler_scores": {r: s.to_dict() for r, s in sorted(self._scores.items())},
                 "straggler_nodes": sorted(self._state.flagged_nodes),

@@ -173,6 +173,30 @@ class ScriptedHostProbe:
                           entry.swap_used_bytes, entry.swap_total_bytes, entry.cpu_frac, fake)
 
 
+class ScriptedProbeFactory:
+    """A picklable ``probe_factory(node_id) -> (gpu_probe, host_probe)`` for ``start_monitors``.
+
+    ``gpu_script`` / ``host_script``: the script every node plays back, or a mapping from node
+    id to its own script (a node missing from the mapping uses ``default_gpu_script``). A None
+    host script keeps the real psutil host probe. Rehearse a hot or throttled node with it.
+    """
+
+    def __init__(self, gpu_script: Sequence | Mapping[str, Sequence] | None,
+                 host_script: Sequence | None = None, *,
+                 default_gpu_script: Sequence | None = None) -> None:
+        self.gpu_script = gpu_script
+        self.host_script = host_script
+        self.default_gpu_script = default_gpu_script
+
+    def __call__(self, node_id: str) -> tuple[ScriptedGpuProbe | None, ScriptedHostProbe | None]:
+        script = self.gpu_script
+        if isinstance(script, Mapping):
+            script = script.get(node_id, self.default_gpu_script)
+        gpu = ScriptedGpuProbe(script) if script is not None else None
+        host = ScriptedHostProbe(self.host_script) if self.host_script is not None else None
+        return gpu, host
+
+
 def default_gpu_probe() -> NvmlGpuProbe:
     """The real GPU probe; raises ProbeError where NVML is missing."""
     if os.environ.get("RAYTRAIN_GUARD_DISABLE_NVML") == "1":
