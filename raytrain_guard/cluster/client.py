@@ -179,11 +179,16 @@ class CoordinatorClient:
 
 
 class LockstepDecisionSource:
-    """The train loop's ``decision_source``: coordinator decisions, applied in lockstep."""
+    """The train loop's ``decision_source``: coordinator decisions, applied in lockstep.
+
+    Decisions for a step before the first step this source saw belong to an earlier attempt
+    of the run (the coordinator outlives worker-group restarts) and are dropped.
+    """
 
     def __init__(self, lockstep: Lockstep, client: CoordinatorClient | None = None) -> None:
         self.lockstep = lockstep
         self.client = client
+        self.first_step: int | None = None
 
     def poll(self, step: int, stats: StepStats | Sequence[StepStats] | None = None
              ) -> list[Decision]:
@@ -191,11 +196,14 @@ class LockstepDecisionSource:
 
         Runs the lockstep collective every ``lockstep_every_steps`` steps (all ranks call it).
         """
+        if self.first_step is None:
+            self.first_step = step
         if self.client is not None:
             try:
                 if stats:
                     self.client.record(stats)
-                self.lockstep.offer(self.client.poll_decisions())
+                self.lockstep.offer(d for d in self.client.poll_decisions()
+                                    if d.step is None or d.step >= self.first_step)
             except Exception as exc:  # noqa: BLE001 - the guard fails open, lockstep must run
                 logger.warning("decision source: client failed (%r); going on", exc)
         return self.lockstep.poll(step)
@@ -204,3 +212,82 @@ class LockstepDecisionSource:
     def applied(self) -> list[tuple[int, int]]:
         """This rank's log of ``(step, decision_id)`` applied."""
         return self.lockstep.applied
+
+
+class ClusterDecisionSource:
+    """What the launcher puts in ``train_loop_config["decision_source"]`` (picklable).
+
+    Each worker gets a copy; on the first ``poll`` (every rank, same step) it builds its own
+    :class:`LockstepDecisionSource`: the rank and node from the worker context, a
+    :class:`~raytrain_guard.cluster.lockstep.ProcessGroupExchange` on the default group, a
+    :class:`CoordinatorClient` for ``run_id`` in ``namespace``, an attempt id agreed by all ranks,
+    and a fire-and-forget registration with this node's monitor.
+    """
+
+    def __init__(self, run_id: str, namespace: str, guard: Mapping[str, Any] | None = None,
+                 *, register_with_monitor: bool = True) -> None:
+        self.run_id = run_id
+        self.namespace = namespace
+        self.guard = dict(guard or {})
+        self.register_with_monitor = register_with_monitor
+        self._source: LockstepDecisionSource | None = None
+        self._failed = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_source"], state["_failed"] = None, False   # built anew in each worker
+        return state
+
+    def poll(self, step: int, stats: Sequence[StepStats] | None = None) -> list[Decision]:
+        if self._source is None:
+            self._source = self._build()
+        return self._source.poll(step, stats)
+
+    @property
+    def applied(self) -> list[tuple[int, int]]:
+        return self._source.applied if self._source is not None else []
+
+    def _build(self) -> LockstepDecisionSource:
+        from raytrain_guard.cluster.lockstep import ProcessGroupExchange, SingleRankExchange
+        from raytrain_guard.config import GuardConfig
+        from raytrain_guard.runtime.context import current_context
+
+        config = GuardConfig.from_dict(self.guard, source="decision_source guard")
+        ctx = current_context()
+        exchange = ProcessGroupExchange() if ctx.world_size > 1 else SingleRankExchange()
+        attempt = agree_on_attempt(int(time.time() * 1000), ctx.world_size)
+        if self.register_with_monitor:
+            try:
+                from raytrain_guard.cluster.actors import register_worker_with_monitor
+                register_worker_with_monitor(self.namespace, ctx.world_rank)
+            except Exception as exc:  # noqa: BLE001 - fail open
+                logger.warning("rank %d: monitor registration failed: %r", ctx.world_rank, exc)
+        client = CoordinatorClient(coordinator_name(self.run_id), namespace=self.namespace,
+                                   world_rank=ctx.world_rank, node_id=ctx.node_id or "local",
+                                   report_every_steps=config.report_every_steps,
+                                   attempt=attempt)
+        logger.info("rank %d: lockstep every %d steps, coordinator %s, attempt %d",
+                    ctx.world_rank, config.lockstep_every_steps, client.name, attempt)
+        return LockstepDecisionSource(
+            Lockstep(every_steps=config.lockstep_every_steps, exchange=exchange,
+                     world_rank=ctx.world_rank), client)
+
+
+def agree_on_attempt(local_id: int, world_size: int) -> int:
+    """The run attempt id every rank reports with: the largest of the ranks' start times (ms).
+
+    A collective on the default ``torch.distributed`` group (one int64 all_reduce(MAX)) when
+    the world has more than one rank. It grows from one worker-group start to the next, which
+    is what the coordinator needs to tell a new attempt from a stale one.
+    """
+    if world_size <= 1:
+        return local_id
+    import torch
+    import torch.distributed as dist
+
+    device = None
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([local_id], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())

@@ -113,8 +113,8 @@ class SingleRankExchange:
 class ProcessGroupExchange:
     """The exchange over a ``torch.distributed`` process group (gloo or nccl).
 
-    Uses the default group unless ``group`` is given. With nccl the int64 flag lives on the
-    current CUDA device (``device``), as nccl requires.
+    Uses the default group unless ``group`` is given. With nccl the int64 flag lives on
+    ``device``, by default the current CUDA device, as nccl requires.
     """
 
     def __init__(self, group: Any = None, device: Any = None) -> None:
@@ -130,7 +130,10 @@ class ProcessGroupExchange:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([newest_id], dtype=torch.int64, device=self.device)
+        device = self.device
+        if device is None and dist.get_backend(self.group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        flag = torch.tensor([newest_id], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if int(flag.item()) == NO_DECISION:
             return []

@@ -1,0 +1,403 @@
+"""The launcher: plan, start the guard's actors, train with the shared loop, tear down, summarize.
+
+::
+
+    from raytrain_guard.cluster.launcher import launch
+    summary = launch({"model_factory": "examples.toy:make_model", ...}, num_workers=2)
+    print(summary.format())
+
+:func:`launch`:
+
+1. plans first (:func:`plan_run`: the user's model traced on the fake device, then
+   :func:`raytrain_guard.core.planner.plan`) and refuses a plan that does not fit with
+   :class:`PlanDoesNotFit` (the arithmetic and the fixes), unless ``force=True``;
+2. starts one node monitor per node and the run's coordinator
+   (:mod:`raytrain_guard.cluster.actors`);
+3. runs a ``TorchTrainer`` with the shared train loop
+   (:func:`raytrain_guard.runtime.train_loop.train_loop_per_worker`) and a
+   :class:`~raytrain_guard.cluster.client.ClusterDecisionSource`, so every rank reports to the
+   coordinator and applies its decisions in lockstep; a progress callback sees the
+   coordinator's status every ``progress_interval_s`` meanwhile;
+4. tears the actors down, also when training fails;
+5. returns a :class:`RunSummary` (steps, throughput, step p50/p99, data wait, detections,
+   decisions).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping
+
+from raytrain_guard.cluster.client import ClusterDecisionSource
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.errors import GuardError, InputError
+from raytrain_guard.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NAMESPACE = "raytrain_guard"
+
+
+class PlanDoesNotFit(GuardError):
+    """The capacity plan says the run does not fit (the CLI exits 1). Carries the plan."""
+
+    def __init__(self, message: str, plan: Any = None) -> None:
+        super().__init__(message)
+        self.plan = plan
+
+    def __reduce__(self):
+        return (PlanDoesNotFit, (str(self), None))
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a guarded run did, from the workers' results and the coordinator's last status."""
+
+    run_id: str
+    steps: int
+    total_steps: int
+    world_size: int
+    global_batch: int
+    wall_s: float
+    samples_per_s: float | None
+    step_p50_s: float | None
+    step_p99_s: float | None
+    data_wait_frac: float | None
+    stopped_early: bool = False
+    stop_reason: str | None = None
+    detections: tuple[str, ...] = ()
+    decisions: tuple[Mapping[str, Any], ...] = ()
+    plan: str = ""
+    coordinator: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def format(self) -> str:
+        """The summary a person reads at the end of a run."""
+        def s(x: float | None, unit: str = " s", spec: str = ".3f") -> str:
+            return "-" if x is None else f"{x:{spec}}{unit}"
+        lines = [
+            f"run {self.run_id}: {self.steps}/{self.total_steps} steps on {self.world_size} "
+            f"ranks (global batch {self.global_batch}) in {self.wall_s:.1f} s"
+            + (f"; stopped early: {self.stop_reason}" if self.stopped_early else ""),
+            f"  throughput   {s(self.samples_per_s, ' samples/s', '.1f')}",
+            f"  step time    p50 {s(self.step_p50_s)}   p99 {s(self.step_p99_s)}",
+            f"  data wait    {'-' if self.data_wait_frac is None else f'{self.data_wait_frac:.1%}'}"
+            " of the step time",
+        ]
+        if self.plan:
+            lines.append(f"  plan         {self.plan}")
+        lines.append(f"  detections   {len(self.detections)}")
+        lines += [f"    - {d}" for d in self.detections]
+        lines.append(f"  decisions    {len(self.decisions)}")
+        for d in self.decisions:
+            ranks = d.get("ranks")
+            lines.append(f"    - #{d.get('decision_id')} {d.get('action')} at step "
+                         f"{d.get('applied_at')}" + (f" on ranks {ranks}" if ranks else "")
+                         + f": {d.get('reason')}")
+        return "\n".join(lines)
+
+
+# -- planning ----------------------------------------------------------------------------------
+
+def plan_run(train_loop_config: Mapping[str, Any], *, num_workers: int,
+             device_memory_bytes: int | None = None, use_gpu: bool = False,
+             config: GuardConfig | None = None, sample_factory: Any = None) -> Any:
+    """The capacity plan of a train-loop config (the planner's :class:`Plan`).
+
+    The model is traced on the fake device at the config's micro-batch, from ``sample_factory``
+    (``() -> batch``) or, by default, the first samples of the dataset collated together. On
+    CPU the "device" memory is the host RAM divided among the ranks of this machine (the
+    guard's CPU budget, ``GuardConfig.cpu_memory_budget_bytes`` when set).
+    """
+    import os
+
+    import psutil
+
+    from raytrain_guard.core.memory_model import TrainingSetup
+    from raytrain_guard.core.planner import plan
+    from raytrain_guard.runtime.train_loop import LoopConfig
+    from raytrain_guard.trace import trace_model
+
+    config = config or GuardConfig()
+    loop = LoopConfig.from_dict({k: v for k, v in train_loop_config.items()
+                                 if k != "decision_source"})
+    micro = loop.micro_batch
+    if sample_factory is None:
+        sample_factory = _first_batch_factory(loop.dataset_factory, micro)
+    optimizer = _optimizer_kind(loop.optimizer_factory)
+    traced = trace_model(loop.model_factory, sample_factory, loss=loop.loss_fn,
+                         optimizer=optimizer)
+    host = psutil.virtual_memory().total
+    if device_memory_bytes is None:
+        if use_gpu:
+            raise InputError("device_memory_bytes", "unknown for a GPU run", value=None,
+                             fix="pass device_memory_bytes (e.g. units.parse_bytes('80GiB'))")
+        device_memory_bytes = config.cpu_memory_budget_bytes or host // max(1, num_workers)
+    setup = TrainingSetup(strategy=loop.strategy, optimizer=optimizer, micro_batch=micro,
+                          grad_accum=loop.grad_accum, world_size=num_workers,
+                          foreach=bool(use_gpu))
+    return plan(model=traced.model_stats, activations=traced.activations, setup=setup,
+                device_memory_bytes=int(device_memory_bytes), host_memory_bytes=host,
+                cpus_per_node=os.cpu_count(), gpus_per_node=max(1, num_workers), config=config)
+
+
+class _FirstBatch:
+    """A picklable sample factory: the first ``micro_batch`` samples of the dataset, collated."""
+
+    def __init__(self, dataset_factory: Callable[[], Any], micro_batch: int) -> None:
+        self.dataset_factory, self.micro_batch = dataset_factory, micro_batch
+
+    def __call__(self) -> Any:
+        from torch.utils.data import default_collate
+        ds = self.dataset_factory()
+        n = min(self.micro_batch, len(ds))
+        if n == 0:
+            raise InputError("dataset_factory", "returned an empty dataset", value=0,
+                             fix="return a dataset with at least one sample")
+        return default_collate([ds[i] for i in range(n)])
+
+
+def _first_batch_factory(dataset_factory: Callable[[], Any], micro_batch: int) -> _FirstBatch:
+    return _FirstBatch(dataset_factory, micro_batch)
+
+
+def _optimizer_kind(optimizer_factory: Callable[[Any], Any]) -> str:
+    """The planner's optimizer kind of the user's optimizer (built on one dummy parameter)."""
+    import torch
+    try:
+        opt = optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    except Exception:  # noqa: BLE001 - the train loop reports factory errors properly
+        return "adamw"
+    name = type(opt).__name__.lower()
+    if name == "sgd":
+        return "sgd-momentum" if opt.defaults.get("momentum", 0) else "sgd"
+    return "adam" if name == "adam" else "adamw"
+
+
+def check_plan(plan: Any, *, force: bool) -> str:
+    """One line for the summary; raises :class:`PlanDoesNotFit` unless it fits or ``force``."""
+    line = (f"{'fits' if plan.fits else 'DOES NOT FIT'}: micro_batch {plan.micro_batch} x "
+            f"grad_accum {plan.grad_accum} x {plan.setup.world_size} ranks; "
+            f"{format_bytes(plan.total_bytes)} of {format_bytes(plan.budget_bytes)} budget")
+    if plan.fits:
+        return line
+    message = ("the capacity plan does not fit:\n" + plan.arithmetic
+               + "".join(f"\n  - {w}" for w in plan.warnings)
+               + "\npass force=True (--force) to launch anyway")
+    if not force:
+        raise PlanDoesNotFit(message, plan)
+    logger.warning("%s\nlaunching anyway (force=True)", message)
+    return line + " (forced)"
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
+           use_gpu: bool = False, config: GuardConfig | None = None, plan: Any = None,
+           force: bool = False, device_memory_bytes: int | None = None,
+           run_id: str | None = None, namespace: str = DEFAULT_NAMESPACE,
+           storage_path: str | None = None, max_failures: int = 0,
+           resources_per_worker: Mapping[str, float] | None = None,
+           placement_strategy: str = "PACK", probe_factory: Any = None,
+           progress: Callable[[Mapping[str, Any]], None] | None = None,
+           progress_interval_s: float = 2.0) -> RunSummary:
+    """Plan, start the guard's actors, train, tear down, summarize (see the module docstring).
+
+    ``plan``: a planner :class:`Plan` to use instead of tracing the model (``False``: skip
+    planning). ``config``: the guard's config (also handed to every worker; the train loop's
+    own ``guard`` entry, if any, wins there). Ray is initialized (locally, in ``namespace``)
+    unless the caller already did.
+    """
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrain_guard.cluster.actors import start_coordinator, start_monitors, stop_all
+    from raytrain_guard.runtime.train_loop import train_loop_per_worker
+
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+        raise InputError("num_workers", "must be an integer >= 1", value=num_workers,
+                         fix="e.g. num_workers=2")
+    config = config or GuardConfig()
+    guard = dict(train_loop_config.get("guard") or {})
+    if not guard:
+        guard = {k: v for k, v in config.to_dict().items()
+                 if v != getattr(GuardConfig(), k)}
+    if plan is None:
+        plan = plan_run(train_loop_config, num_workers=num_workers, use_gpu=use_gpu,
+                        device_memory_bytes=device_memory_bytes, config=config)
+    plan_line = check_plan(plan, force=force) if plan is not False else ""
+    if plan_line:
+        logger.info("plan: %s", plan_line)
+
+    run_id = run_id or uuid.uuid4().hex[:8]
+    if not ray.is_initialized():
+        ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False)
+    loop_config = dict(train_loop_config)
+    loop_config["guard"] = guard
+    loop_config["decision_source"] = ClusterDecisionSource(run_id, namespace, guard)
+    start = time.perf_counter()
+    status: dict[str, Any] = {}
+    watcher = None
+    try:
+        start_monitors(namespace, run_id, config, probe_factory)
+        coordinator = start_coordinator(namespace, run_id, config)
+        watcher = _ProgressWatcher(coordinator, progress, progress_interval_s)
+        watcher.start()
+        trainer = TorchTrainer(
+            train_loop_per_worker, train_loop_config=loop_config,
+            scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                         resources_per_worker=dict(resources_per_worker)
+                                         if resources_per_worker else None,
+                                         placement_strategy=placement_strategy),
+            run_config=RunConfig(name=f"raytrain_guard_{run_id}", storage_path=storage_path,
+                                 failure_config=FailureConfig(max_failures=max_failures)))
+        result = trainer.fit()
+        watcher.stop()
+        status = watcher.read_now() or watcher.latest or {}
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        try:
+            stop_all(namespace, run_id)
+        except Exception:  # noqa: BLE001 - teardown must not hide the run's own error
+            logger.warning("stopping the guard's actors failed", exc_info=True)
+    global_batch = (int(loop_config.get("micro_batch", 32)) * int(loop_config.get("grad_accum", 1))
+                    * num_workers)
+    return summarize(run_id, _results_of(result), status, time.perf_counter() - start,
+                     plan_line, global_batch)
+
+
+def _results_of(result: Any) -> dict[str, Any]:
+    """The train loop's results dict, from the metrics of the final checkpoint."""
+    metrics = getattr(result, "metrics", None) or {}
+    raw = metrics.get("results")
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            logger.warning("unreadable results in the final report")
+    return dict(raw or {})
+
+
+def summarize(run_id: str, results: Mapping[str, Any], status: Mapping[str, Any],
+              wall_s: float, plan_line: str = "", global_batch: int = 0) -> RunSummary:
+    """The :class:`RunSummary` of a finished run (pure)."""
+    steps = int(results.get("step", 0))
+    world = int(results.get("world_size", 1))
+    loaders = results.get("loader") or []
+    loop_wall = float(results.get("wall_s") or wall_s)
+    fracs = [lo["data_wait_frac"] for lo in loaders
+             if isinstance(lo, Mapping) and lo.get("data_wait_frac") is not None]
+    detections = [a["reason"] for a in results.get("attribution") or []
+                  if a.get("role") not in (None, "normal")]
+    detections += [f"straggler node {n}" for n in status.get("straggler_nodes") or []]
+    detections += list(status.get("notes") or [])
+    return RunSummary(
+        run_id=run_id, steps=steps, total_steps=int(results.get("total_steps", steps)),
+        world_size=world, global_batch=global_batch, wall_s=round(wall_s, 3),
+        samples_per_s=round(steps * global_batch / loop_wall, 2)
+        if steps and global_batch and loop_wall > 0 else None,
+        step_p50_s=status.get("step_p50_s"), step_p99_s=status.get("step_p99_s"),
+        data_wait_frac=round(sum(fracs) / len(fracs), 4) if fracs else None,
+        stopped_early=bool(results.get("stopped_early")), stop_reason=results.get("stop_reason"),
+        detections=tuple(detections), decisions=tuple(merge_applied(results.get("decisions"))),
+        plan=plan_line, coordinator=dict(status))
+
+
+def merge_applied(decisions: Any) -> list[dict[str, Any]]:
+    """Per-rank applied decisions (train loop records) -> one entry per decision (pure).
+
+    Cluster decisions (``decision_id`` > 0) are merged across ranks with the steps they were
+    applied at (one step when lockstep worked) and the ranks; local gate decisions are kept
+    per rank.
+    """
+    merged: dict[Any, dict[str, Any]] = {}
+    for d in decisions or []:
+        if not isinstance(d, Mapping):
+            continue
+        did = d.get("decision_id") or 0
+        key = did if did else ("local", d.get("world_rank"), d.get("applied_at"), d.get("action"))
+        entry = merged.setdefault(key, {"decision_id": did, "action": d.get("action"),
+                                        "reason": d.get("reason"), "scope": d.get("scope"),
+                                        "applied_at": d.get("applied_at"), "ranks": [],
+                                        "steps": []})
+        entry["ranks"].append(d.get("world_rank"))
+        if d.get("applied_at") not in entry["steps"]:
+            entry["steps"].append(d.get("applied_at"))
+    return list(merged.values())
+
+
+class _ProgressWatcher:
+    """Reads the coordinator's status every ``interval_s`` on a thread; hands it to ``progress``.
+
+    :meth:`read_now` is the one method that touches ``ray.get`` (with a timeout).
+    """
+
+    def __init__(self, coordinator: Any, progress: Callable[[Mapping[str, Any]], None] | None,
+                 interval_s: float) -> None:
+        self.coordinator = coordinator
+        self.progress = progress
+        self.interval_s = interval_s
+        self.latest: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.progress is None:
+            return
+        self._thread = threading.Thread(target=self._loop, name="raytrain_guard-progress",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def read_now(self, timeout_s: float = 5.0) -> dict[str, Any] | None:
+        import ray
+        try:
+            self.latest = dict(ray.get(self.coordinator.status.remote(), timeout=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - progress is best effort
+            logger.debug("coordinator status unavailable: %r", exc)
+            return None
+        return self.latest
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            status = self.read_now()
+            if status is not None and self.progress is not None:
+                try:
+                    self.progress(status)
+                except Exception:  # noqa: BLE001
+                    logger.debug("progress callback failed", exc_info=True)
+
+
+def progress_line(status: Mapping[str, Any], total_steps: int | None = None,
+                  started: float | None = None, clock: Callable[[], float] = time.monotonic
+                  ) -> str:
+    """A one-line live view of a coordinator status (pure, given the clock)."""
+    step = status.get("latest_step")
+    ranks = status.get("ranks") or {}
+    mem = [r.get("memory_frac") for r in ranks.values()
+           if isinstance(r, Mapping) and r.get("memory_frac") is not None]
+    p50, p99 = status.get("step_p50_s"), status.get("step_p99_s")
+    parts = [f"step {'-' if step is None else step}"
+             + (f"/{total_steps}" if total_steps else ""),
+             f"{len(ranks)} ranks",
+             f"step p50 {p50:.3f} s p99 {p99:.3f} s" if p50 is not None and p99 is not None
+             else "step time -",
+             f"memory {max(mem):.0%}" if mem else "memory -",
+             f"decisions {len(status.get('active_decisions') or [])}"]
+    if started is not None:
+        parts.append(f"{clock() - started:.0f} s")
+    return " | ".join(parts)
