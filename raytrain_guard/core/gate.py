@@ -33,6 +33,7 @@ communication longer than the least-waiting rank are waiting on it.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import statistics
 import time
@@ -66,6 +67,7 @@ class StepGate:
         self._clock = clock
         self._memory_cause = Cause(memory_cause)
         self._window: deque[StepStats] = deque(maxlen=config.step_window)
+        self._sorted_totals: list[float] = []    # the window's total_s, sorted (cheap median)
         self._memory: deque[float] = deque(maxlen=config.memory_trend_steps)
         self._run: list[StepStats] = []          # the current run of consecutive slow steps
         self._run_reported = False
@@ -150,6 +152,7 @@ class StepGate:
                              fix=f"pass a state_dict() of this StepGate (version {_STATE_VERSION})")
         self._window = deque((StepStats.from_dict(d) for d in state["window"]),
                              maxlen=self.config.step_window)
+        self._sorted_totals = sorted(s.total_s for s in self._window)
         self._memory = deque((float(x) for x in state["memory"]),
                              maxlen=self.config.memory_trend_steps)
         self._run = [StepStats.from_dict(d) for d in state["run"]]
@@ -203,8 +206,20 @@ class StepGate:
         else:
             self._run.clear()
             self._run_reported = False
-        self._window.append(stats)
+        self._push_window(stats)
         return decisions
+
+    def _push_window(self, stats: StepStats) -> None:
+        if len(self._window) == self._window.maxlen:
+            oldest = self._window[0].total_s
+            del self._sorted_totals[bisect.bisect_left(self._sorted_totals, oldest)]
+        self._window.append(stats)
+        bisect.insort(self._sorted_totals, stats.total_s)
+
+    def _median_total_s(self) -> float:
+        totals, n = self._sorted_totals, len(self._sorted_totals)
+        mid = n // 2
+        return totals[mid] if n % 2 else (totals[mid - 1] + totals[mid]) / 2
 
     def _threshold(self, stats: StepStats) -> tuple[float | None, str]:
         """The slow-step threshold for this step: the lower of the set rules."""
@@ -213,7 +228,7 @@ class StepGate:
         if cfg.slow_step_abs_s is not None:
             candidates.append((cfg.slow_step_abs_s, f"absolute {cfg.slow_step_abs_s:g} s"))
         if len(self._window) >= _MIN_MEDIAN_POINTS:
-            median_s = statistics.median(s.total_s for s in self._window)
+            median_s = self._median_total_s()
             candidates.append((cfg.slow_step_factor * median_s,
                                f"{cfg.slow_step_factor:g} x recent median {median_s:.4f} s"))
         if not candidates:

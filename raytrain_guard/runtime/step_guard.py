@@ -93,28 +93,38 @@ class StepGuard:
                 self.fault_injector.on_mark(self._step, phase)
 
     def end_step(self, step: int) -> list[Decision]:
-        """Finish ``step``: time it, read the probe, feed the gate, apply local actions
+        """Finish ``step``: read the probe, time the step, feed the gate, apply local actions
         (RELEASE_CACHE, PACE) and return every decision. CHECKPOINT_AND_STOP and SLOW_STEP
         are the caller's. On CUDA the timings belong to an earlier step (see StepTimer)."""
-        stats = self._guarded("timer", self.timer.finish_step, step)
-        reading = self._guarded("probe", self.probe.read) if self.probe is not None else None
-        self.last_reading = reading
         frac = None
-        if reading is not None:
-            frac = self._guarded("probe", lambda: reading.frac)
-        if stats is not None:
-            stats = dataclasses.replace(stats, memory_frac=frac, world_rank=self.world_rank)
-            self._stats.append(stats)
-            decisions = self._guarded("gate", self.gate.observe, stats)
-        elif frac is not None:
-            decisions = self._guarded("gate", self.gate.observe_memory, step, frac,
-                                      world_rank=self.world_rank)
-        else:
-            decisions = None
-        for decision in decisions or ():
+        if self.probe is not None:
+            try:
+                reading = self.probe.read()
+                frac = reading.frac
+                self.last_reading = reading
+            except Exception:  # noqa: BLE001 - the guard fails open
+                self._failed_once("probe")
+        try:
+            stats = self.timer.finish_step(step, memory_frac=frac)
+        except Exception:  # noqa: BLE001
+            self._failed_once("timer")
+            stats = None
+        decisions: list[Decision] = []
+        try:
+            if stats is not None:
+                if stats.world_rank != self.world_rank:
+                    stats = dataclasses.replace(stats, world_rank=self.world_rank)
+                self._stats.append(stats)
+                decisions = self.gate.observe(stats)
+            elif frac is not None:
+                decisions = self.gate.observe_memory(step, frac, world_rank=self.world_rank)
+        except Exception:  # noqa: BLE001
+            self._failed_once("gate")
+            decisions = []
+        for decision in decisions:
             self._apply(decision)
         self._step = step + 1
-        return list(decisions or ())
+        return decisions
 
     def drain_stats(self) -> list[StepStats]:
         """The StepStats kept since the last drain (at most max(step_window,
@@ -145,12 +155,15 @@ class StepGuard:
         try:
             return fn(*args, **kwargs)
         except Exception:  # noqa: BLE001 - the guard fails open
-            if part not in self._failed:
-                self._failed.add(part)
-                logger.warning("rank %d step %d: guard part %r failed; training goes on "
-                               "(logged once)", self.world_rank, self._step, part,
-                               exc_info=True)
+            self._failed_once(part)
             return None
+
+    def _failed_once(self, part: str) -> None:
+        """Log the exception being handled, once per part."""
+        if part not in self._failed:
+            self._failed.add(part)
+            logger.warning("rank %d step %d: guard part %r failed; training goes on "
+                           "(logged once)", self.world_rank, self._step, part, exc_info=True)
 
 
 def release_cache() -> str:

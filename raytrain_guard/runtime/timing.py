@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 #: Phase names accepted by :meth:`StepTimer.mark`, and the StepStats field each one fills.
 PHASE_FIELDS = {"data": "data_wait_s", "data_wait": "data_wait_s", "forward": "forward_s",
                 "backward": "backward_s", "optimizer": "optimizer_s"}
+_SLOT = {"data": 0, "data_wait": 0, "forward": 1, "backward": 2, "optimizer": 3}
+_UNTIMED = -1
 
 
 class _StepRecord:
@@ -46,7 +48,7 @@ class _StepRecord:
 
     def __init__(self, start: Any) -> None:
         self.step = -1
-        self.marks: list[tuple[str | None, Any]] = [(None, start)]  # (phase ended, stamp)
+        self.marks: list[tuple[int, Any]] = [(_UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
 
@@ -81,32 +83,33 @@ class StepTimer:
 
     def mark(self, phase: str) -> None:
         """End ``phase`` now: the time since the previous mark is counted as ``phase``."""
-        if phase not in PHASE_FIELDS:
-            raise InputError("phase", "unknown phase", value=phase,
-                             fix=f"use one of {', '.join(sorted(PHASE_FIELDS))}")
-        self._record.marks.append((phase, self._stamp()))
+        slot = _SLOT.get(phase)
+        if slot is None:
+            raise _unknown_phase(phase)
+        self._record.marks.append((slot, self._stamp()))
 
     @contextlib.contextmanager
     def phase(self, phase: str) -> Iterator[None]:
         """``with timer.phase("forward"): ...`` counts the body as ``phase``."""
-        if phase not in PHASE_FIELDS:
-            raise InputError("phase", "unknown phase", value=phase,
-                             fix=f"use one of {', '.join(sorted(PHASE_FIELDS))}")
-        self._record.marks.append((None, self._stamp()))
+        slot = _SLOT.get(phase)
+        if slot is None:
+            raise _unknown_phase(phase)
+        self._record.marks.append((_UNTIMED, self._stamp()))
         try:
             yield
         finally:
-            self._record.marks.append((phase, self._stamp()))
+            self._record.marks.append((slot, self._stamp()))
 
-    def finish_step(self, step: int) -> StepStats | None:
-        """Close ``step``; return its stats (CPU) or the oldest finished earlier step's (CUDA)."""
+    def finish_step(self, step: int, *, memory_frac: float | None = None) -> StepStats | None:
+        """Close ``step``; return its stats (CPU) or the oldest finished earlier step's (CUDA).
+        ``memory_frac`` (read now) goes into the returned stats as they are."""
         end = self._stamp()
         record = self._record
         record.step = step
-        record.marks.append((None, end))
+        record.marks.append((_UNTIMED, end))
         self._record = _StepRecord(end)
         if not self._cuda:
-            return self._stats(record, lambda a, b: b - a)
+            return self._stats(record, None, memory_frac)
         self._pending.append(record)
         if len(self._pending) > self._max_pending:
             self._pending.popleft()
@@ -115,7 +118,7 @@ class StepTimer:
                 logger.warning("rank %d: step timings dropped: the GPU is more than %d steps "
                                "behind the host", self.world_rank, self._max_pending)
         if self._pending and _all_done(self._pending[0]):
-            return self._stats(self._pending.popleft(), _elapsed_s)
+            return self._stats(self._pending.popleft(), _elapsed_s, memory_frac)
         return None
 
     # -- called by the communication hook (autograd and communication threads) ---------------
@@ -138,19 +141,32 @@ class StepTimer:
         event.record()
         return event
 
-    def _stats(self, record: _StepRecord,
-               elapsed: Callable[[Any, Any], float]) -> StepStats:
-        sums = {"data_wait_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+    def _stats(self, record: _StepRecord, elapsed: Callable[[Any, Any], float] | None,
+               memory_frac: float | None) -> StepStats:
+        """Sum the phases; ``elapsed`` None: float stamps (the CPU fast path)."""
+        sums = [0.0, 0.0, 0.0, 0.0]
         marks = record.marks
-        for (_, start), (phase, end) in zip(marks, marks[1:]):
-            if phase is not None:
-                sums[PHASE_FIELDS[phase]] += elapsed(start, end)
+        prev = marks[0][1]
+        for slot, stamp in marks:
+            if slot >= 0:
+                sums[slot] += stamp - prev if elapsed is None else elapsed(prev, stamp)
+            prev = stamp
+        total_s = prev - marks[0][1] if elapsed is None else elapsed(marks[0][1], prev)
         comm_wait_s = 0.0
         if record.last_ready is not None and record.done:
-            comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
-        sums["backward_s"] = max(0.0, sums["backward_s"] - comm_wait_s)
-        return StepStats(step=record.step, total_s=elapsed(marks[0][1], marks[-1][1]),
-                         comm_wait_s=comm_wait_s, world_rank=self.world_rank, **sums)
+            if elapsed is None:
+                comm_wait_s = max(0.0, max(record.done) - record.last_ready)
+            else:
+                comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
+        return StepStats(step=record.step, total_s=total_s, data_wait_s=sums[0],
+                         forward_s=sums[1], backward_s=max(0.0, sums[2] - comm_wait_s),
+                         comm_wait_s=comm_wait_s, optimizer_s=sums[3], memory_frac=memory_frac,
+                         world_rank=self.world_rank)
+
+
+def _unknown_phase(phase: Any) -> InputError:
+    return InputError("phase", "unknown phase", value=phase,
+                      fix=f"use one of {', '.join(sorted(PHASE_FIELDS))}")
 
 
 def _all_done(record: _StepRecord) -> bool:
