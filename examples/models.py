@@ -237,3 +237,20 @@ def data_dependent() -> nn.Module:
 
 def data_dependent_batch(batch_size: int = 4) -> torch.Tensor:
     return torch.randn(batch_size, 16)
+
+
+class RepeatByCount(nn.Module):
+    """Repeats each row by a count held in a tensor: the output shape depends on data, which
+    FakeTensorMode refuses (the planner falls back to the meta device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        counts = torch.ones(x.shape[0], dtype=torch.long, device="cpu")  # host-side counts
+        return self.fc(torch.repeat_interleave(x, counts, dim=0))
+
+
+def repeat_by_count() -> nn.Module:
+    return RepeatByCount()

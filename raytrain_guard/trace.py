@@ -138,8 +138,9 @@ def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Ca
     errors: list[str] = []
     for mode in ("fake", "meta"):
         try:
-            runs, stats, loss_desc = _trace_in_mode(mode, build_model, build_sample, loss_fn,
-                                                    precision, optimizer, micro_batches)
+            runs, stats, loss_desc = _trace_in_mode(
+                mode, build_model, build_sample, loss_fn, precision, optimizer, micro_batches,
+                names={"model": _name(model_factory), "sample": _name(sample_factory)})
         except TraceError:
             raise
         except _OpFailure as exc:
@@ -189,7 +190,7 @@ class _FactoryError(Exception):
 
 
 def _trace_in_mode(mode, build_model, build_sample, loss_fn, precision, optimizer,
-                   micro_batches):
+                   micro_batches, names):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -200,12 +201,20 @@ def _trace_in_mode(mode, build_model, build_sample, loss_fn, precision, optimize
         ctx = torch.device("meta")
     try:
         with ctx:
-            model = _call_factory(build_model, "model", _name(build_model))
+            low = precision in (Precision.BF16, Precision.BF16_MASTER)
+            default_dtype = torch.get_default_dtype()
+            if low:  # build in bf16 directly: .to() cannot swap tied fake parameters
+                torch.set_default_dtype(torch.bfloat16)
+            try:
+                model = _call_factory(build_model, "model", _name(build_model))
+            finally:
+                torch.set_default_dtype(default_dtype)
             if not isinstance(model, torch.nn.Module):
                 raise TraceError("model", "the factory did not return a torch.nn.Module",
                                  value=type(model).__name__,
                                  fix="return the model instance from the factory")
-            if precision in (Precision.BF16, Precision.BF16_MASTER):
+            if low and any(p.is_floating_point() and p.dtype != torch.bfloat16
+                           for p in model.parameters()):
                 model = model.to(torch.bfloat16)
             model.train()
             stats = model_stats_of(model)
@@ -230,12 +239,13 @@ def _trace_in_mode(mode, build_model, build_sample, loss_fn, precision, optimize
     except _FactoryError as exc:
         if mode == "fake" and exc.field_name == "model" and _looks_like_fake_issue(exc.exc):
             raise _OpFailure(f"building the model failed under FakeTensorMode ({exc})") from None
-        raise TraceError(exc.field_name, f"the factory raised {exc}", value=exc.spec_name,
+        raise TraceError(exc.field_name, f"the factory raised {exc}",
+                         value=names.get(exc.field_name, exc.spec_name),
                          fix="make the factory run on its own (python -c \"from m import f; "
                              "f()\") and build on whatever device is current") from None
     except Exception as exc:  # noqa: BLE001 - the model cannot run on this device
-        op = recorder.last or "(no operation yet)"
-        raise _OpFailure(f"operation {op} failed: {type(exc).__name__}: "
+        where = f"operation {recorder.last}" if recorder.last else "building the model"
+        raise _OpFailure(f"{where} failed: {type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     return runs, stats, desc
 
@@ -405,7 +415,7 @@ def _tracked_step(model, opt, batch, loss_fn, precision):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
-    _skip_frozen_grad_hooks(tracker, model)
+    skip_frozen_grad_hooks(tracker, model)
     tracker.track_external(model, opt, batch)
     snaps = _Snapshots(tracker)
     with tracker:
@@ -418,7 +428,7 @@ class _NoHook:
         pass
 
 
-def _skip_frozen_grad_hooks(tracker, model) -> None:
+def skip_frozen_grad_hooks(tracker, model) -> None:
     """MemTracker (torch 2.13) registers a gradient hook on every parameter and so raises on a
     frozen one ("cannot register a hook on a tensor that doesn't require gradient"). Mark frozen
     parameters as already hooked; they never get a gradient, so nothing is lost."""

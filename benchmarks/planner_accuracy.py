@@ -1,0 +1,179 @@
+"""Planner accuracy: predicted per-rank peak (fake trace -> estimate()) against the measured peak.
+
+For each model family the model is traced once under FakeTensorMode (``raytrain_guard.trace``),
+and ``estimate()`` predicts the per-rank peak at the traced micro-batch and at a micro-batch that
+was never traced (3 x). The same models are then trained for real - AdamW, the loop
+``loss.backward(); opt.step(); opt.zero_grad()`` - with one rank (no DDP wrapper, as Ray's
+``prepare_model`` does at world size 1) and with two gloo ranks under DDP (real processes,
+``torch.multiprocessing.spawn``). Measured peak:
+
+* ``--device cpu`` (default): PyTorch's own accounting, MemTracker on the real CPU tensors. One
+  tracker covers DDP's construction and three steps, so DDP's gradient buckets and their rebuild
+  after the first iteration are counted; the optimizer state exists from the second step on.
+* ``--device cuda``: ``torch.cuda.max_memory_allocated`` over the same three steps (nccl for two
+  ranks), with the optimizer's CUDA default (foreach) predicted.
+
+Run: ``python benchmarks/planner_accuracy.py [--device cuda] [--ranks 1 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from examples import models  # noqa: E402
+from raytrain_guard.core.memory_model import TrainingSetup, estimate  # noqa: E402
+from raytrain_guard.trace import skip_frozen_grad_hooks, trace_model  # noqa: E402
+
+FAMILIES = {  # name: (model factory, sample factory, loss or None)
+    "mlp": (models.mlp, models.mlp_batch, None),
+    "cnn-batchnorm": (models.cnn, models.cnn_batch, None),
+    "gpt-lm (tied, hand-written attn)": (models.gpt, models.gpt_batch, models.gpt_loss),
+    "frozen-backbone fine-tune": (models.finetune, models.finetune_batch, None),
+}
+
+
+def _loss(model, batch, loss_fn):
+    if loss_fn is not None:
+        return loss_fn(model, batch)
+    return model(batch).sum()
+
+
+def measure(name: str, micro_batch: int, device: str, world_size: int) -> int:
+    """Peak tensor bytes of this rank over DDP construction + 3 training steps."""
+    build, sample, loss_fn = FAMILIES[name]
+    torch.manual_seed(0)
+    dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else \
+        torch.device("cpu")
+    model = build().to(dev)
+    batch = sample(batch_size=micro_batch).to(dev)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = 0
+        wrapped = _wrap(model, world_size, dev)
+        for _ in range(3):
+            _loss(wrapped, batch, loss_fn).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    skip_frozen_grad_hooks(tracker, model)  # MemTracker raises on frozen parameters otherwise
+    tracker.track_external(model, opt, batch)
+    with tracker:
+        wrapped = _wrap(model, world_size, dev)
+        for _ in range(3):
+            _loss(wrapped, batch, loss_fn).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tracker.reset_mod_stats()  # per-module stats only; the global peak is kept
+    return sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+
+
+def _wrap(model, world_size, dev):
+    if world_size == 1:
+        return model  # Ray's prepare_model does not wrap DDP with one rank
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+
+
+def _rank_main(rank: int, world_size: int, device: str, jobs, init_file: str, out_dir: str):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank,
+                            world_size=world_size, init_method=f"file://{init_file}")
+    try:
+        lines = []
+        for name, b in jobs:
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            lines.append(f"{name}\t{b}\t{measure(name, b, device, world_size)}")
+        with open(os.path.join(out_dir, f"rank{rank}.tsv"), "w") as fh:
+            fh.write("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_ranks(jobs, device: str, world_size: int) -> dict[tuple[str, int], int]:
+    """Per-job peak, the larger of the ranks (they should agree)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_rank_main, args=(world_size, device, jobs, init_file, tmp),
+                 nprocs=world_size, join=True)
+        peaks: dict[tuple[str, int], int] = {}
+        for r in range(world_size):
+            with open(os.path.join(tmp, f"rank{r}.tsv")) as fh:
+                for line in fh:
+                    name, b, peak = line.rstrip("\n").split("\t")
+                    key = (name, int(b))
+                    peaks[key] = max(peaks.get(key, 0), int(peak))
+        return peaks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here; nothing measured")
+        return 2
+    if args.device == "cuda" and max(args.ranks) > torch.cuda.device_count():
+        args.ranks = [r for r in args.ranks if r <= torch.cuda.device_count()]
+
+    traces, jobs = {}, []
+    for name, (build, sample, loss_fn) in FAMILIES.items():
+        t0 = time.perf_counter()
+        traces[name] = trace_model(build, sample, loss=loss_fn, optimizer="adamw")
+        b0 = traces[name].micro_batch
+        print(f"traced {name}: {traces[name].model_stats.num_params} params, "
+              f"{time.perf_counter() - t0:.1f} s, peak {traces[name].peak_bytes} B in "
+              f"{traces[name].peak_phase} at micro-batch {b0}", flush=True)
+        jobs += [(name, b0), (name, 3 * b0)]
+
+    rows = []
+    for world_size in args.ranks:
+        measured = measure_ranks(jobs, args.device, world_size)
+        for name, b in jobs:
+            tr = traces[name]
+            setup = TrainingSetup(strategy="ddp", precision="fp32", optimizer="adamw",
+                                  micro_batch=b, world_size=world_size,
+                                  foreach=args.device == "cuda")
+            est = estimate(tr.model_stats, tr.activations, setup)
+            m = measured[(name, b)]
+            rows.append((name, world_size, b, "traced" if b == tr.micro_batch else "predicted",
+                         est.peak_bytes, m, est.peak_bytes / m - 1, est.peak_phase))
+
+    print()
+    print(f"device: {args.device}; predicted = estimate(trace at b0) peak_bytes; "
+          f"measured = {'MemTracker on real CPU tensors' if args.device == 'cpu' else 'torch.cuda.max_memory_allocated'}")
+    head = f"{'model':34} {'ranks':>5} {'b':>4} {'b is':>9} {'predicted MiB':>14} " \
+           f"{'measured MiB':>13} {'error':>8}  phase"
+    print(head)
+    print("-" * len(head))
+    for name, ws, b, kind, pred, meas, err, phase in rows:
+        print(f"{name:34} {ws:>5} {b:>4} {kind:>9} {pred / 2**20:>14.3f} {meas / 2**20:>13.3f} "
+              f"{err:>+8.2%}  {phase}")
+    errs = [abs(r[6]) for r in rows]
+    print(f"\n|error|: median {statistics.median(errs):.2%}, worst {max(errs):.2%} "
+          f"over {len(rows)} cases (goal: median <= 5 %, worst <= 10 %)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
