@@ -15,8 +15,12 @@ import pytest
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause
-from raytrain_guard.core.gate import (RankRole, StepGate, attribute_across_ranks,
-                                      attribute_slow_steps)
+from raytrain_guard.core.gate import (
+    RankRole,
+    StepGate,
+    attribute_across_ranks,
+    attribute_slow_steps,
+)
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import InputError
 
@@ -84,8 +88,8 @@ def test_memory_rules(name, changes, step_s, fracs, expected):
 def test_pacing_params_and_reasons():
     clock = FakeClock()
     gate = StepGate(GuardConfig(pacing_enabled=True, memory_predict_steps=0), clock=clock)
-    start = [d for d in gate.observe_memory(5, 0.89) if d.action is P][0]
-    stop = [d for d in gate.observe_memory(6, 0.84) if d.action is P][0]
+    start = next(d for d in gate.observe_memory(5, 0.89) if d.action is P)
+    stop = next(d for d in gate.observe_memory(6, 0.84) if d.action is P)
     assert start.params["delay_s"] == 0.05 and stop.params["delay_s"] == 0.0
     assert "89.0%" in start.reason and "step 5" in start.reason
     assert start.cause is Cause.DEVICE_MEMORY
@@ -96,15 +100,15 @@ def test_stop_reason_names_prediction_and_cause():
     decisions = []
     for i, frac in enumerate([0.80, 0.83, 0.86, 0.88]):
         decisions += gate.observe_memory(i, frac, world_rank=3)
-    stop = [d for d in decisions if d.action is S][0]
+    stop = next(d for d in decisions if d.action is S)
     assert stop.cause is Cause.HOST_MEMORY
     assert "rank 3 step 3" in stop.reason and "96.1% predicted in 3 steps" in stop.reason
     assert gate.stopped
 
 
 # -- slow steps ---------------------------------------------------------------------------------
-NORMAL = dict(total_s=0.100, data_wait_s=0.010, forward_s=0.030, backward_s=0.040,
-              optimizer_s=0.010, comm_wait_s=0.010)
+NORMAL = {"total_s": 0.100, "data_wait_s": 0.010, "forward_s": 0.030, "backward_s": 0.040,
+          "optimizer_s": 0.010, "comm_wait_s": 0.010}
 # Slow variants: each adds 0.100 s to one component (and to the total): 0.200 > 1.5 x 0.100.
 SLOW = {
     "data": dict(NORMAL, total_s=0.200, data_wait_s=0.110),

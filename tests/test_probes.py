@@ -13,8 +13,12 @@ import pytest
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause
 from raytrain_guard.errors import InputError
-from raytrain_guard.runtime.probes import (FaultInjector, MemoryReading, ProcessMemoryProbe,
-                                           ScriptedProbe)
+from raytrain_guard.runtime.probes import (
+    FaultInjector,
+    MemoryReading,
+    ProcessMemoryProbe,
+    ScriptedProbe,
+)
 from raytrain_guard.runtime.step_guard import StepGuard, release_cache
 from raytrain_guard.units import MiB
 
@@ -134,7 +138,7 @@ def test_ballast_over_a_cpu_budget_triggers_watermark_and_stop():
     guard = StepGuard(config, probe=ProcessMemoryProbe(config), clock=FakeClock(),
                       on_decision=seen.append)
     inj = FaultInjector()
-    assert run_steps(guard, range(0, 3)) == {}
+    assert run_steps(guard, range(3)) == {}
     inj.allocate_ballast(int(0.25 * budget))
     assert run_steps(guard, [3, 4]) == {3: [Action.RELEASE_CACHE, Action.CHECKPOINT_AND_STOP]}
     inj.release_ballast()

@@ -89,9 +89,8 @@ def test_unknown_phase_names_the_fix():
     timer = StepTimer()
     with pytest.raises(InputError, match="unknown phase.*'fwd'.*backward"):
         timer.mark("fwd")
-    with pytest.raises(InputError):
-        with timer.phase("bogus"):
-            pass
+    with pytest.raises(InputError), timer.phase("bogus"):
+        pass
 
 
 def test_real_clock_measures_a_sleep():

@@ -11,12 +11,12 @@ import statistics
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from raytrain_guard.config import GuardConfig  # noqa: E402
-from raytrain_guard.core.gate import RankRole, attribute_across_ranks  # noqa: E402
-from raytrain_guard.core.steps import StepStats  # noqa: E402
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.gate import RankRole, attribute_across_ranks
+from raytrain_guard.core.steps import StepStats
 
 NUM_STEPS = 12
 DELAY_S = 0.06

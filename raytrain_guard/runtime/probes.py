@@ -12,8 +12,9 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable
+from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Cause

@@ -28,7 +28,8 @@ import logging
 import sys
 import time
 from collections import deque
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
@@ -163,7 +164,8 @@ class StepGuard:
         if part not in self._failed:
             self._failed.add(part)
             logger.warning("rank %d step %d: guard part %r failed; training goes on "
-                           "(logged once)", self.world_rank, self._step, part, exc_info=True)
+                           "(logged once)", self.world_rank, self._step, part,
+                           exc_info=True)  # noqa: LOG014 - called from except blocks only
 
 
 def release_cache() -> str:

@@ -27,7 +27,8 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import InputError
@@ -44,7 +45,7 @@ _UNTIMED = -1
 class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
-    __slots__ = ("step", "marks", "last_ready", "done")
+    __slots__ = ("done", "last_ready", "marks", "step")
 
     def __init__(self, start: Any) -> None:
         self.step = -1
@@ -221,7 +222,7 @@ def _fail_open(fn: Callable, *args: Any) -> None:
     global _hook_failed
     try:
         fn(*args)
-    except Exception:  # noqa: BLE001 - the guard fails open
+    except Exception:
         if not _hook_failed:
             _hook_failed = True
             logger.warning("communication timing failed; communication waits read 0 from now "
