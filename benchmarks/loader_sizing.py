@@ -1,0 +1,109 @@
+"""Data-wait fraction and host bytes in flight: planned loader vs the seed's 16 x 4 vs torch default.
+
+    python benchmarks/loader_sizing.py [--rounds 3] [--steps 40] [--gpus-per-node 8]
+
+Workload: each sample is a decoded 3 x 224 x 224 uint8 image (147 KiB) that costs an I/O-like
+latency (``--sample-ms``, sleep) plus writing its pixels; a batch of 32 is 4.6 MiB. The
+training step is a fixed ``--step-ms`` of sleep, standing for GPU compute that leaves the host
+CPU free. The three loaders are built once (persistent workers), warmed up, then measured in
+interleaved rounds of ``--steps`` steps each, so all three see the same machine noise.
+
+Host bytes are what the loader holds in flight: ``num_workers x prefetch_factor x batch bytes``
+(exactly that many batches are queued once the workers are ahead), against the budget of
+``host_prefetch_frac x host RAM / gpus_per_node``. This box has 2 cores and no GPU: the budget
+assumes ``--gpus-per-node`` training processes share the host RAM, as on an 8-GPU node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import psutil
+import torch
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.runtime.loader import GuardedDataLoader
+from raytrain_guard.units import format_bytes
+
+
+class DecodedImages:
+    """A long virtual dataset of decoded images with a per-sample latency."""
+
+    def __init__(self, n: int, sample_s: float) -> None:
+        self.n, self.sample_s = n, sample_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.sample_s)
+        return torch.full((3, 224, 224), i % 255, dtype=torch.uint8)
+
+
+def run_steps(it, loader: GuardedDataLoader, steps: int, step_s: float) -> tuple[float, float]:
+    """(data wait, wall) over ``steps`` steps of fixed compute."""
+    wait = 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        next(it)
+        wait += loader.last_data_wait_s
+        time.sleep(step_s)
+    return wait, time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--sample-ms", type=float, default=1.0)
+    parser.add_argument("--step-ms", type=float, default=60.0)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    args = parser.parse_args()
+
+    config = GuardConfig()
+    host = psutil.virtual_memory().total
+    dataset = DecodedImages(10**6, args.sample_ms / 1000)
+    common = dict(world_rank=0, world_size=1, config=config, gpus_per_node=args.gpus_per_node,
+                  host_memory_bytes=host, watch_worker_memory=False, seed=0)
+    loaders = {
+        "torch default (num_workers=0)": GuardedDataLoader(dataset, args.batch_size,
+                                                           num_workers=0, **common),
+        "seed fixed (16 workers x prefetch 4)": GuardedDataLoader(
+            dataset, args.batch_size, num_workers=16, prefetch_factor=4, **common),
+        "guard planned": GuardedDataLoader(dataset, args.batch_size, **common),
+    }
+    iters = {name: iter(loader) for name, loader in loaders.items()}
+    for name, loader in loaders.items():                 # warm-up: fill the queues
+        run_steps(iters[name], loader, args.warmup_steps, args.step_ms / 1000)
+    totals = {name: [0.0, 0.0] for name in loaders}
+    for _ in range(args.rounds):
+        for name, loader in loaders.items():
+            wait, wall = run_steps(iters[name], loader, args.steps, args.step_ms / 1000)
+            totals[name][0] += wait
+            totals[name][1] += wall
+
+    budget = loaders["guard planned"].plan.budget_bytes
+    batch = loaders["guard planned"].probe_batch_bytes
+    print(f"host RAM {format_bytes(host)}, {args.gpus_per_node} GPUs/node assumed, budget "
+          f"{config.host_prefetch_frac:.0%} x RAM / GPUs = {format_bytes(budget)}; batch "
+          f"{args.batch_size} x 147 KiB = {format_bytes(batch)}; sample {args.sample_ms} ms, "
+          f"step {args.step_ms} ms; {args.rounds} interleaved rounds x {args.steps} steps")
+    print(f"planned: {loaders['guard planned'].plan.reason}")
+    print("| loader | workers x prefetch | data wait / step time | host bytes in flight "
+          "| within budget |")
+    print("|---|---|---|---|---|")
+    for name, loader in loaders.items():
+        wait, wall = totals[name]
+        plan = loader.plan
+        in_flight = max(plan.num_workers, 1) * max(plan.prefetch_factor, 1) * batch
+        print(f"| {name} | {plan.num_workers} x {plan.prefetch_factor} | {wait / wall:.1%} | "
+              f"{format_bytes(in_flight)} | {'yes' if in_flight <= budget else 'NO'} |")
+    for loader in loaders.values():
+        loader.close()
+
+
+if __name__ == "__main__":
+    main()
