@@ -1,0 +1,205 @@
+"""Exact bytes of the memory model, worked out by hand (pure: no torch).
+
+The model used throughout (``M``): 1000 parameters, all trainable, registered as tensors of
+400, 300, 200 and 100 elements; the largest FSDP unit holds 400 parameters; no buffers.
+Activations (``A``): a given profile of 5000 bytes per sample at micro-batch 2 -> 10000 bytes.
+Reserve off (no CUDA context, no fragmentation) unless a test says otherwise.
+
+Phases (see raytrain_guard.core.memory_model):
+  backward  = P + buffers + O + G_bw + A + comm_bw
+  optimizer = P + buffers + O + G + T + comm_opt
+  rebuild   = P + buffers + O + 2 * buckets          (DDP/zero1 with more than one rank)
+For a non-traced profile G_bw is the first unit's gradients (DDP/zero1: 400 x grad bytes) or 0
+(FSDP: they sit in the reduce-scatter buffers).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.memory_model import (MemoryEstimate, OptimizerKind, Precision, Strategy,
+                                              TrainingSetup, estimate)
+from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
+from raytrain_guard.errors import PlanInputError
+
+M = ModelStats(num_params=1000, num_trainable_params=1000, largest_unit_params=400,
+               param_numels=(400, 300, 200, 100))
+A = ActivationProfile(bytes_per_sample=5000.0, source="given")
+NO_RESERVE = GuardConfig(cuda_context_bytes=0, fragmentation_frac=0.0)
+
+
+def run(setup: TrainingSetup, model: ModelStats = M, acts: ActivationProfile = A,
+        config: GuardConfig = NO_RESERVE) -> MemoryEstimate:
+    return estimate(model, acts, setup, config)
+
+
+# precision x optimizer, DDP on one rank (no buckets), single-tensor optimizer (foreach=False):
+# T (Adam/AdamW) = 2 copies of the largest parameter (400) in the state dtype; SGD: T = 0.
+PRECISION_OPTIMIZER = [
+    # precision, optimizer, backward, optimizer phase
+    # fp32: P 4000, G 4000; G_bw 400*4 = 1600; A 10000
+    ("fp32", "sgd", 4000 + 0 + 1600 + 10000, 4000 + 0 + 4000 + 0),                  # O 0
+    ("fp32", "sgd-momentum", 4000 + 4000 + 1600 + 10000, 4000 + 4000 + 4000 + 0),   # O 4000
+    ("fp32", "adam", 4000 + 8000 + 1600 + 10000, 4000 + 8000 + 4000 + 3200),        # O 8000, T 2*400*4
+    ("fp32", "adamw", 4000 + 8000 + 1600 + 10000, 4000 + 8000 + 4000 + 3200),       # same as adam
+    # amp-bf16: fp32 params, grads and state (the bf16 parts are in the activation profile)
+    ("amp-bf16", "sgd", 15600, 8000),
+    ("amp-bf16", "adamw", 23600, 19200),
+    # bf16-master: P 2000, G 2000, O = 4 (master) + 4k; G_bw 400*2 = 800
+    ("bf16-master", "sgd", 2000 + 4000 + 800 + 10000, 2000 + 4000 + 2000 + 0),       # O 4000
+    ("bf16-master", "sgd-momentum", 2000 + 8000 + 800 + 10000, 2000 + 8000 + 2000),  # O 8000
+    ("bf16-master", "adam", 2000 + 12000 + 800 + 10000, 2000 + 12000 + 2000 + 3200),  # 2+2+12
+    # bf16: P 2000, G 2000, O 2k; T 2*400*2 = 1600
+    ("bf16", "sgd", 2000 + 0 + 800 + 10000, 2000 + 0 + 2000),
+    ("bf16", "sgd-momentum", 2000 + 2000 + 800 + 10000, 2000 + 2000 + 2000),
+    ("bf16", "adamw", 2000 + 4000 + 800 + 10000, 2000 + 4000 + 2000 + 1600),
+]
+
+
+@pytest.mark.parametrize("precision,optimizer,backward,opt_phase", PRECISION_OPTIMIZER)
+def test_precision_and_optimizer_bytes(precision, optimizer, backward, opt_phase):
+    est = run(TrainingSetup(precision=precision, optimizer=optimizer, micro_batch=2,
+                            foreach=False))
+    assert dict(est.phases) == {"backward": backward, "optimizer": opt_phase}
+    assert est.peak_bytes == max(backward, opt_phase)
+
+
+# strategy x precision on 4 ranks, AdamW, foreach (CUDA default: T = one state-dtype copy of
+# the parameters this rank updates; DDP all 1000, sharded strategies ceil(1000/4) = 250).
+STRATEGIES = [
+    # fp32: P 4000, G 4000, O 8000, buckets 4000
+    ("ddp", "fp32", {"backward": 4000 + 8000 + 1600 + 10000 + 4000,        # + buckets
+                     "optimizer": 4000 + 8000 + 4000 + 4000 + 4000,        # T 4000, buckets
+                     "rebuild": 4000 + 8000 + 2 * 4000}),
+    # zero1: O 250*8 = 2000, T 250*4 = 1000
+    ("zero1", "fp32", {"backward": 4000 + 2000 + 1600 + 10000 + 4000,
+                       "optimizer": 4000 + 2000 + 4000 + 1000 + 4000,
+                       "rebuild": 4000 + 2000 + 8000}),
+    # grad-op: P 250*4 = 1000, G 1000, O 2000; comm = unsharded params 4000 + 2 RS 2*400*4
+    ("fsdp-grad-op", "fp32", {"backward": 1000 + 2000 + 0 + 10000 + 4000 + 3200,
+                              "optimizer": 1000 + 2000 + 1000 + 1000}),
+    # full: comm = 2 AG 2*400*4 + 2 RS 2*400*4 = 6400
+    ("fsdp-full", "fp32", {"backward": 1000 + 2000 + 10000 + 6400,
+                           "optimizer": 1000 + 2000 + 1000 + 1000}),
+    # bf16-master: P 2000, G 2000, O 12000, buckets 2000, G_bw 800, T (fp32 state) 1000*4
+    ("ddp", "bf16-master", {"backward": 2000 + 12000 + 800 + 10000 + 2000,
+                            "optimizer": 2000 + 12000 + 2000 + 4000 + 2000,
+                            "rebuild": 2000 + 12000 + 4000}),
+    # zero1: O 250*12 = 3000, T 250*4 = 1000
+    ("zero1", "bf16-master", {"backward": 2000 + 3000 + 800 + 10000 + 2000,
+                              "optimizer": 2000 + 3000 + 2000 + 1000 + 2000,
+                              "rebuild": 2000 + 3000 + 4000}),
+    # grad-op: P 500, G 500, O 3000; comm = 2000 unsharded + 2*400*2 = 3600
+    ("fsdp-grad-op", "bf16-master", {"backward": 500 + 3000 + 10000 + 3600,
+                                     "optimizer": 500 + 3000 + 500 + 1000}),
+    # full: comm = 2*400*2 + 2*400*2 = 3200
+    ("fsdp-full", "bf16-master", {"backward": 500 + 3000 + 10000 + 3200,
+                                  "optimizer": 500 + 3000 + 500 + 1000}),
+]
+
+
+@pytest.mark.parametrize("strategy,precision,phases", STRATEGIES)
+def test_strategy_bytes_on_four_ranks(strategy, precision, phases):
+    est = run(TrainingSetup(strategy=strategy, precision=precision, optimizer="adamw",
+                            micro_batch=2, world_size=4))
+    assert dict(est.phases) == phases
+    assert est.peak_phase == max(phases, key=phases.get) == "backward"
+    parts = {k: v for k, v in est.breakdown.items() if k != "reserve"}
+    assert sum(parts.values()) == est.peak_bytes  # breakdown = categories at the peak moment
+
+
+def test_ddp_world_size_one_has_no_buckets():
+    est = run(TrainingSetup(micro_batch=2))  # fp32 adamw foreach: T = 4000
+    assert dict(est.phases) == {"backward": 4000 + 8000 + 1600 + 10000,
+                                "optimizer": 4000 + 8000 + 4000 + 4000}
+    assert est.breakdown["comm"] == 0
+
+
+def test_gradient_as_bucket_view_drops_the_bucket_copy():
+    est = run(TrainingSetup(micro_batch=2, world_size=4, gradient_as_bucket_view=True))
+    # no extra copy; the rebuild still holds old and new buckets briefly: 4000 + 8000 + 2*4000
+    assert dict(est.phases) == {"backward": 23600, "optimizer": 20000, "rebuild": 20000}
+
+
+def test_rebuild_is_the_peak_when_activations_are_tiny():
+    tiny = ActivationProfile(bytes_per_sample=1.0, source="given")
+    est = run(TrainingSetup(optimizer="sgd", micro_batch=1, world_size=2), acts=tiny)
+    # sgd: O 0, T 0. backward 4000 + 1600 + 1 + 4000 = 9601; optimizer 4000 + 4000 + 4000;
+    # rebuild 4000 + 2*4000 = 12000 (ties with optimizer; the first maximum in order wins)
+    assert dict(est.phases) == {"backward": 9601, "optimizer": 12000, "rebuild": 12000}
+    assert est.peak_bytes == 12000
+
+
+def test_grad_accum_keeps_all_gradients_through_backward():
+    est = run(TrainingSetup(micro_batch=2, grad_accum=4))
+    assert est.phases["backward"] == 4000 + 8000 + 4000 + 10000  # G_bw = all of G
+    fsdp = run(TrainingSetup(strategy="fsdp-full", micro_batch=2, grad_accum=4, world_size=4))
+    # no_sync under FSDP keeps unsharded gradients: 1000*4 on top of 1000 + 2000 + 10000 + 6400
+    assert fsdp.phases["backward"] == 1000 + 2000 + 4000 + 10000 + 6400
+
+
+def test_frozen_parameters_cost_parameter_bytes_only():
+    frozen = ModelStats(num_params=1000, num_trainable_params=250, largest_unit_params=400,
+                        param_numels=(250,))
+    est = run(TrainingSetup(micro_batch=2), model=frozen)
+    # P 4000, G 250*4 = 1000, O 250*8 = 2000, G_bw min(400, 250)*4 = 1000, T 250*4 = 1000
+    assert dict(est.phases) == {"backward": 4000 + 2000 + 1000 + 10000,
+                                "optimizer": 4000 + 2000 + 1000 + 1000}
+
+
+def test_traced_profile_already_holds_backward_gradients():
+    traced = ActivationProfile(bytes_per_sample=5000.0, fixed_bytes=700, source="traced")
+    est = run(TrainingSetup(micro_batch=2), acts=traced)
+    assert est.phases["backward"] == 4000 + 8000 + 0 + (700 + 10000)
+
+
+def test_uneven_sharding_pads_like_fsdp():
+    odd = ModelStats(num_params=1001, num_trainable_params=1001, largest_unit_params=401)
+    est = run(TrainingSetup(strategy="fsdp-full", micro_batch=2, world_size=4), model=odd)
+    # ceil(1001/4) = 251: P 1004, O 2008; comm 4*401*4 = 6416
+    assert est.phases["backward"] == 1004 + 2008 + 10000 + 6416
+
+
+def test_buffers_count_in_every_phase():
+    buf = ModelStats(num_params=1000, num_trainable_params=1000, largest_unit_params=400,
+                     param_numels=(400, 300, 200, 100), buffer_bytes=777)
+    est = run(TrainingSetup(micro_batch=2), model=buf)
+    assert dict(est.phases) == {"backward": 23600 + 777, "optimizer": 20000 + 777}
+
+
+def test_runtime_reserve_is_context_plus_fragmentation():
+    cfg = GuardConfig(cuda_context_bytes=1000, fragmentation_frac=0.05)
+    est = run(TrainingSetup(micro_batch=2), config=cfg)
+    # peak 23600; reserve 1000 + 0.05 * 23600 = 2180
+    assert est.peak_bytes == 23600
+    assert est.breakdown["reserve"] == 2180
+    assert est.total_bytes == 25780
+
+
+def test_activations_scale_with_micro_batch():
+    one = run(TrainingSetup(micro_batch=1)).phases["backward"]
+    eight = run(TrainingSetup(micro_batch=8)).phases["backward"]
+    assert eight - one == 7 * 5000
+
+
+def test_strings_and_enums_are_the_same_setup():
+    assert TrainingSetup(strategy="zero1", precision="bf16", optimizer="sgd") == TrainingSetup(
+        strategy=Strategy.ZERO1, precision=Precision.BF16, optimizer=OptimizerKind.SGD)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"micro_batch": 0}, "micro_batch"),
+    ({"grad_accum": -1}, "grad_accum"),
+    ({"world_size": 1.5}, "world_size"),
+    ({"strategy": "zero2"}, "strategy"),
+    ({"precision": "fp16"}, "precision"),
+    ({"optimizer": "lion"}, "optimizer"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+])
+def test_bad_setup_names_the_field_and_the_fix(kwargs, field):
+    with pytest.raises(PlanInputError) as err:
+        TrainingSetup(**kwargs)
+    assert err.value.field == field
+    assert err.value.fix
+    assert "\n" not in str(err.value)
