@@ -70,7 +70,7 @@ def add_plan_command(subparsers) -> None:
 
     mach = p.add_argument_group("machine")
     mach.add_argument("--gpus-per-node", metavar="N",
-                      help="GPUs (ranks) per node (default: CUDA devices here, else 1)")
+                      help="GPUs (ranks) per node (default: GPUs on this machine, else 1)")
     mach.add_argument("--gpu-mem", metavar="SIZE",
                       help="memory of one GPU, e.g. 80GiB (required without CUDA)")
     mach.add_argument("--host-mem", metavar="SIZE", help="RAM of one node (default: this machine)")
@@ -361,8 +361,17 @@ def _gpu_memory(args) -> int:
 
 
 def _local_gpus() -> int:
-    cuda = _cuda()
-    return cuda.device_count() if cuda is not None else 1
+    """GPUs on this machine (NVML, without importing torch), 1 when there are none."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return max(1, int(pynvml.nvmlDeviceGetCount()))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library: plan for one GPU per node
+        return 1
 
 
 def _host_memory() -> int:
@@ -371,11 +380,70 @@ def _host_memory() -> int:
     return int(psutil.virtual_memory().total)
 
 
+# -- status --------------------------------------------------------------------------------------
+
+def add_status_command(subparsers) -> None:
+    """``raytrain-guard status``: the live coordinator's view of a running guarded training."""
+    p = subparsers.add_parser(
+        "status", help="nodes, ranks, memory, step time, stragglers and decisions of a live run",
+        description="Read the live coordinator of a guarded run (found by name in the "
+                    "namespace). Sets RAY_AUTH_MODE=token when a Ray token exists and the "
+                    "variable is unset. Exit 0 success, 2 no coordinator or bad input.")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
+    p.add_argument("--namespace", default="raytrain_guard", help="the run's Ray namespace")
+    p.add_argument("--run-id", default=None, help="which run, when several are live")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.set_defaults(run=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from raytrain_guard.cluster.status import format_status, read_status
+    try:
+        status = read_status(args.address, args.namespace, args.run_id)
+    except ConnectionError as exc:
+        print(f"raytrain-guard status: error: --address: cannot connect ({exc}); start the "
+              "cluster or pass its address", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
+    return EXIT_OK
+
+
+# -- demo ----------------------------------------------------------------------------------------
+
+def add_demo_command(subparsers) -> None:
+    """``raytrain-guard demo``: a guarded training on an embedded local Ray cluster."""
+    p = subparsers.add_parser(
+        "demo", help="run a guarded toy training on a local Ray cluster (a minute or two)",
+        description="Start a local Ray cluster, plan and run a guarded 2-worker gloo training "
+                    "of a toy model with a live progress line, then print the summary. By "
+                    "default a hot GPU (scripted probe) and a straggler rank are rehearsed.")
+    p.add_argument("--workers", type=int, default=2, help="number of training workers")
+    p.add_argument("--epochs", type=int, default=12, help="epochs of 256 samples")
+    p.add_argument("--no-rehearsal", action="store_true",
+                   help="no scripted GPU pressure and no injected straggler")
+    p.set_defaults(run=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from raytrain_guard.cluster.demo import run_demo as demo
+    from raytrain_guard.cluster.launcher import PlanDoesNotFit
+    _positive_int(args.workers, "--workers")
+    _positive_int(args.epochs, "--epochs")
+    try:
+        demo(num_workers=args.workers, epochs=args.epochs, rehearse=not args.no_rehearsal)
+    except PlanDoesNotFit as exc:
+        print(f"raytrain-guard demo: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    return EXIT_OK
+
+
 # -- entry point ---------------------------------------------------------------------------------
 
 #: one entry per subcommand; each adds its parser and sets ``run``
 COMMANDS: tuple[Callable[[Any], None], ...] = (
     add_plan_command,
+    add_status_command,
+    add_demo_command,
 )
 
 

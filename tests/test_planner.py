@@ -231,3 +231,18 @@ def test_to_dict_keys():
     assert set(d["dataloader"]) >= {"num_workers", "prefetch_factor", "host_bytes"}
     assert d["total_bytes"] == d["peak_bytes"] + d["breakdown"]["reserve"]
     json.dumps(d)
+
+
+def test_auto_micro_batch_respects_the_host_budget():
+    # 1 MB per sample, pinned -> 2 MB; 16 cores // 1 GPU - 1 = 15 -> 8 workers; host budget
+    # 0.05 x 4 GiB = 214748364 B; 214748364 // (8 x 2 MB) = 13 samples per micro-batch, below
+    # the device limit of 21.
+    p = _plan(auto_micro_batch=True, sample_bytes=1e6, host_memory_bytes=4 * GiB,
+              cpus_per_node=16)
+    assert (p.max_micro_batch, p.micro_batch) == (21, 13)
+    assert p.dataloader.num_workers == 8 and p.dataloader.host_bytes <= p.dataloader.budget_bytes
+    assert any("host prefetch budget" in n for n in p.notes)
+    # a global batch of 8 x 1: the cap does not bind, no note
+    q = _plan(auto_micro_batch=True, sample_bytes=1e6, host_memory_bytes=4 * GiB,
+              cpus_per_node=16, global_batch=8)
+    assert q.micro_batch == 8 and not any("host prefetch budget" in n for n in q.notes)

@@ -46,6 +46,17 @@ def _positive(name: str, value: int, fix: str) -> int:
     return value
 
 
+def host_budget_bytes(host_memory_bytes: int, gpus_per_node: int, config: GuardConfig) -> int:
+    """Host bytes one GPU's prefetched batches may hold: ``host_prefetch_frac x RAM / GPUs``."""
+    return int(config.host_prefetch_frac * host_memory_bytes / gpus_per_node)
+
+
+def workers_per_gpu(cpus_per_node: int, gpus_per_node: int, config: GuardConfig) -> int:
+    """``cpus // gpus - 1`` (one core for the training process), clamped to the config's range."""
+    wanted = max(cpus_per_node // gpus_per_node - 1, 0)
+    return min(max(wanted, config.min_workers_per_gpu), config.max_workers_per_gpu)
+
+
 def size_dataloader(*, batch_bytes: int, host_memory_bytes: int, gpus_per_node: int,
                     cpus_per_node: int, pin_memory: bool, config: GuardConfig,
                     list_backed_dataset: bool = False) -> DataLoaderPlan:
@@ -55,7 +66,7 @@ def size_dataloader(*, batch_bytes: int, host_memory_bytes: int, gpus_per_node: 
     _positive("gpus_per_node", gpus_per_node, "give the GPUs (training processes) per node")
     _positive("cpus_per_node", cpus_per_node, "give the node's CPU cores")
     warnings: list[str] = []
-    budget = int(config.host_prefetch_frac * host_memory_bytes / gpus_per_node)
+    budget = host_budget_bytes(host_memory_bytes, gpus_per_node, config)
     per_batch = batch_bytes * (2 if pin_memory else 1)
     pinned = " x 2 (pinned copy)" if pin_memory else ""
     if per_batch > budget:
@@ -69,7 +80,7 @@ def size_dataloader(*, batch_bytes: int, host_memory_bytes: int, gpus_per_node: 
 
     cores = cpus_per_node // gpus_per_node
     wanted = max(cores - 1, 0)
-    workers = min(max(wanted, config.min_workers_per_gpu), config.max_workers_per_gpu)
+    workers = workers_per_gpu(cpus_per_node, gpus_per_node, config)
     why = (f"{cpus_per_node} cores // {gpus_per_node} GPUs = {cores} per GPU, - 1 for training "
            f"= {wanted} workers" + (f", clamped to {workers}" if workers != wanted else ""))
     if wanted < config.min_workers_per_gpu:

@@ -24,7 +24,8 @@ from typing import Any, Mapping, Sequence
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.buckets import BucketPlan, recommend_bucket_cap
-from raytrain_guard.core.dataloader_sizing import DataLoaderPlan, size_dataloader
+from raytrain_guard.core.dataloader_sizing import (DataLoaderPlan, host_budget_bytes,
+                                                   size_dataloader, workers_per_gpu)
 from raytrain_guard.core.memory_model import (PARAM_BYTES, MemoryEstimate, Strategy,
                                               TrainingSetup, estimate)
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
@@ -137,15 +138,28 @@ def plan(*, model: ModelStats, activations: ActivationProfile, setup: TrainingSe
 
     # micro-batch and accumulation: grad_accum > 1 keeps gradients alive, so search again
     # whenever the accumulation changes (it only grows: at most a few passes)
+    host_cap = None
+    if auto_micro_batch and sample_bytes is not None and batch_bytes is None and \
+            host_memory_bytes is not None and cpus_per_node is not None:
+        host_cap = _host_micro_batch_cap(sample_bytes, host_memory_bytes, cpus_per_node,
+                                         gpus_per_node, pin_memory, config)
     current = setup
     for _ in range(4):
         max_micro = _max_micro_batch(model, activations, current, budget, config)
-        micro, accum, why = _batching(current, max_micro, global_batch, auto_micro_batch)
+        choose_from = max_micro
+        if host_cap is not None and (max_micro is None or host_cap < max_micro):
+            choose_from = host_cap
+        micro, accum, why = _batching(current, choose_from, global_batch, auto_micro_batch)
         chosen = dataclasses.replace(current, micro_batch=micro, grad_accum=accum)
         if chosen == current:
             break
         current = chosen
     warnings.extend(why)
+    if choose_from != max_micro and \
+            _batching(current, max_micro, global_batch, auto_micro_batch)[:2] != (micro, accum):
+        notes.append(f"micro-batch chosen within {choose_from}: at {format_bytes(sample_bytes)} "
+                     f"per sample, larger batches would not leave every DataLoader worker "
+                     f"one batch in the host prefetch budget")
     if max_micro == 0:
         warnings.append("even micro-batch 1 does not fit: " + _fixes_for(current))
     elif max_micro is None:
@@ -278,6 +292,16 @@ def _batching(setup: TrainingSetup, max_micro: int | None, global_batch: int | N
                     f"= {global_batch}")
         said.append(msg)
     return micro, accum, said
+
+
+def _host_micro_batch_cap(sample_bytes: float, host_memory_bytes: int, cpus_per_node: int,
+                          gpus_per_node: int, pin_memory: bool, config: GuardConfig) -> int:
+    """The largest micro-batch whose batches, one per DataLoader worker (pinned copies
+    included), fit the host prefetch budget; at least 1 (size_dataloader then reports it)."""
+    budget = host_budget_bytes(host_memory_bytes, gpus_per_node, config)
+    workers = max(1, workers_per_gpu(cpus_per_node, gpus_per_node, config))
+    per_sample = sample_bytes * (2 if pin_memory else 1) * workers
+    return max(1, int(budget // per_sample))
 
 
 def _fixes_for(setup: TrainingSetup) -> str:

@@ -1,0 +1,247 @@
+"""`raytrain-guard plan` in a subprocess: exit codes 0/1/2, --json keys, count parsing, and a
+one-line error without a traceback for every kind of bad input.
+
+The factories below are what the subprocesses import (``--model test_cli_plan:...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- factories for the subprocesses -----------------------------------------------------------
+
+def raising_model() -> nn.Module:
+    raise RuntimeError("cannot build: no weights file")
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.lin(x).sum().item() > 0:        # a value, not a shape: no fake/meta run
+            return self.lin(x)
+        return -self.lin(x)
+
+
+def data_dependent_model() -> nn.Module:
+    return _DataDependent()
+
+
+def tiny_batch() -> torch.Tensor:
+    return torch.randn(4, 8)
+
+
+def raising_sample():
+    raise ValueError("no data on this machine")
+
+
+class ListDataset(Dataset):
+    """Keeps 2000 samples as Python lists: the copy-on-read case."""
+
+    def __init__(self) -> None:
+        self.samples = [[float(i)] * 16 for i in range(2000)]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return torch.tensor(self.samples[i])
+
+
+class TensorDataset(Dataset):
+    def __init__(self) -> None:
+        self.data = torch.zeros(2000, 16)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+def list_dataset() -> Dataset:
+    return ListDataset()
+
+
+def tensor_dataset() -> Dataset:
+    return TensorDataset()
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def run_plan(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT),
+                                         env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "raytrain_guard.cli", "plan", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def one_line_error(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and "Traceback" not in out.stdout
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("raytrain-guard plan: error: ")
+    return lines[0]
+
+
+# 7.5 B parameters in bf16 with plain SGD on one rank: parameters 15 GB, gradients alive early in
+# backward 15 GB, no optimizer state: peak 30 GB = 27.9 GiB plus a 1 GiB context and 5 %
+# fragmentation -> 30.4 GiB. It fits an 80 GiB card (budget 68 GiB), not a 32 GiB one (27.2 GiB).
+SMALL = ("--precision", "bf16", "--optimizer", "sgd")
+
+
+@pytest.mark.parametrize("count", ["7.5B", "7.5e9", "7500000000"])
+def test_params_spellings(count):
+    out = run_plan("--params", count, *SMALL, "--gpu-mem", "80GiB", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["num_params"] == 7_500_000_000
+    assert d["peak_bytes"] == 30_000_000_000
+
+
+def test_exit_1_when_it_does_not_fit():
+    out = run_plan("--params", "7.5B", *SMALL, "--gpu-mem", "32GiB")
+    assert out.returncode == 1, out.stderr
+    assert "DOES NOT FIT" in out.stdout and "over the 27.2 GiB budget" in out.stdout
+
+
+def test_json_keys_and_table():
+    out = run_plan("--params", "1B", "--workers", "8", "--gpus-per-node", "8", "--gpu-mem",
+                   "80GiB", "--host-mem", "1TiB", "--cpus-per-node", "96", "--batch-bytes",
+                   "64MiB", "--global-batch", "256", "--activation-bytes-per-sample", "1GiB",
+                   "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)                 # exactly one JSON object on stdout
+    for key in ("fits", "device_memory_bytes", "budget_bytes", "peak_bytes", "total_bytes",
+                "breakdown", "peak_phase", "max_micro_batch", "grad_accum", "bucket_cap_mb",
+                "dataloader", "warnings", "arithmetic"):
+        assert key in d, key
+    assert d["micro_batch"] * d["grad_accum"] * 8 == 256
+    assert d["dataloader"]["num_workers"] == 8 and d["bucket_cap_mb"] > 0
+    table = run_plan("--params", "1B", "--workers", "8", "--gpus-per-node", "8", "--gpu-mem",
+                     "80GiB", "--host-mem", "1TiB", "--cpus-per-node", "96", "--batch-bytes",
+                     "64MiB", "--global-batch", "256", "--activation-bytes-per-sample", "1GiB")
+    assert table.returncode == 0
+    for word in ("FITS", "micro_batch", "grad_accum", "bucket_cap_mb", "DataLoader",
+                 "(85 % of 80.0 GiB)"):
+        assert word in table.stdout
+
+
+def test_params_alone_says_activations_are_unknown():
+    d = json.loads(run_plan("--params", "1B", "--gpu-mem", "80GiB", "--json").stdout)
+    assert d["breakdown"]["activations"] == 0
+    assert any("activations unknown" in w for w in d["warnings"])
+
+
+def test_transformer_shape():
+    out = run_plan("--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len", "4096",
+                   "--vocab", "32000", "--strategy", "fsdp-full", "--precision", "amp-bf16",
+                   "--workers", "64", "--gpus-per-node", "8", "--gpu-mem", "80GiB", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["activations_source"] == "analytic" and d["max_micro_batch"] >= 1
+    assert 6.5e9 < d["num_params"] < 7e9
+
+
+def test_traced_model_with_sample():
+    out = run_plan("--model", "examples.models:mlp", "--sample", "examples.models:mlp_batch",
+                   "--gpu-mem", "80GiB", "--host-mem", "64GiB", "--cpus-per-node", "16",
+                   "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["activations_source"] == "traced" and d["max_micro_batch"] > 1
+    # the real sample batch was measured and the loader sized within its host budget
+    assert d["dataloader"] is not None
+    assert 0 < d["dataloader"]["host_bytes"] <= d["dataloader"]["budget_bytes"]
+
+
+def test_list_backed_dataset_warns():
+    out = run_plan("--params", "1B", "--gpu-mem", "80GiB", "--host-mem", "64GiB",
+                   "--cpus-per-node", "16", "--micro-batch", "4", "--dataset",
+                   "test_cli_plan:list_dataset", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert any("Python lists" in w for w in d["warnings"])
+    # 16 float32 per sample = 64 B; micro-batch 4 -> 256 B per batch
+    assert d["dataloader"]["host_bytes"] == 256 * 2 * d["dataloader"]["num_workers"] * \
+        d["dataloader"]["prefetch_factor"]
+    clean = json.loads(run_plan("--params", "1B", "--gpu-mem", "80GiB", "--host-mem", "64GiB",
+                                "--cpus-per-node", "16", "--dataset",
+                                "test_cli_plan:tensor_dataset", "--json").stdout)
+    assert not any("Python lists" in w for w in clean["warnings"])
+
+
+@pytest.mark.parametrize("args, names", [
+    (("--params", "1B", "--gpu-mem", "80XB"), "--gpu-mem: not a size"),
+    (("--params", "7.5Q", "--gpu-mem", "80GiB"), "--params: not a count"),
+    (("--params", "0", "--gpu-mem", "80GiB"), "--params: must be a positive count"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--workers", "0"), "--workers: must be at least 1"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--micro-batch", "-3"), "--micro-batch"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--global-batch", "1.5"),
+     "--global-batch: not a whole number"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--strategy", "zero9"), "strategy: unknown value"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--precision", "fp8"), "precision: unknown value"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--headroom", "2"), "headroom_frac"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--config", "no/such.toml"), "file not found"),
+    (("--gpu-mem", "80GiB"), "model: give exactly one model source"),
+    (("--params", "1B", "--layers", "2", "--gpu-mem", "80GiB"), "got --params and"),
+    (("--layers", "2", "--hidden", "64", "--gpu-mem", "80GiB"), "--heads: is required"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--batch-bytes", "10GiB", "--host-mem", "16GiB"),
+     "exceeds the host prefetch budget"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--sample", "test_cli_plan:raising_sample"),
+     "--sample: the factory raised ValueError: no data on this machine"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--micro-batch", "2", "--grad-accum", "2",
+      "--global-batch", "5"), "--global-batch: disagrees"),
+])
+def test_bad_input_is_one_line(args, names):
+    line = one_line_error(run_plan(*args))
+    assert names in line
+
+
+@pytest.mark.parametrize("model, names", [
+    ("no_such_module:make", "cannot import module 'no_such_module'"),
+    ("test_cli_plan:no_such_factory", "has no attribute"),
+    ("test_cli_plan:raising_model", "cannot build: no weights file"),
+    ("test_cli_plan:data_dependent_model", "cannot be traced"),
+])
+def test_bad_model_is_one_line(model, names):
+    line = one_line_error(run_plan("--model", model, "--sample", "test_cli_plan:tiny_batch",
+                                   "--gpu-mem", "80GiB"))
+    assert names in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the card's memory is used")
+def test_gpu_mem_is_required_without_cuda():
+    line = one_line_error(run_plan("--params", "1B"))
+    assert "--gpu-mem: is required: no CUDA device" in line and "80GiB" in line
+
+
+def test_argparse_errors_exit_2():
+    out = run_plan("--params", "1B", "--gpu-mem", "80GiB", "--no-such-flag")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+def test_console_script():
+    exe = shutil.which("raytrain-guard")
+    if exe is None:
+        pytest.skip("package not installed with its console script")
+    out = subprocess.run([exe, "plan", "--params", "7.5B", *SMALL, "--gpu-mem", "80GiB"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "FITS" in out.stdout
