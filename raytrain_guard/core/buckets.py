@@ -135,8 +135,8 @@ def recommend_bucket_cap(*, grad_bytes: int, config: GuardConfig,
                       memory_bound_bytes=bound)
         if bound < cap:
             cap, bounded_by_memory = bound, True
-            why += (f"; lowered to {bound / MiB:.2f} MiB so {config.num_buckets_in_flight} "
-                    f"buckets in flight fit the {format_bytes(memory_slack_bytes)} left free")
+            why += (f"; lowered so {config.num_buckets_in_flight} buckets in flight fit the "
+                    f"{format_bytes(memory_slack_bytes)} left free")
     cap_mb = _round_mb(cap / MiB, down=bounded_by_memory)
     if cap_mb <= 0:
         raise PlanInputError("memory_slack_bytes", "leaves no room for a gradient bucket",

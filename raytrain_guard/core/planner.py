@@ -45,7 +45,8 @@ class Plan:
     budget_bytes: int
     estimate: MemoryEstimate
     setup: TrainingSetup                  # as planned: micro_batch, grad_accum, bucket_cap_mb
-    max_micro_batch: int | None           # None: activations unknown, no limit derived
+    max_micro_batch: int | None           # None: no activation bytes, no limit derived; DDP:
+                                          # leaves room for the buckets in flight
     global_batch: int                     # micro_batch x grad_accum x world_size
     requested_global_batch: int | None
     bucket: BucketPlan | None
@@ -143,9 +144,14 @@ def plan(*, model: ModelStats, activations: ActivationProfile, setup: TrainingSe
             host_memory_bytes is not None and cpus_per_node is not None:
         host_cap = _host_micro_batch_cap(sample_bytes, host_memory_bytes, cpus_per_node,
                                          gpus_per_node, pin_memory, config)
+    # room for DDP buckets in flight at the unbounded recommendation, kept free by the search
+    in_flight = _in_flight_bytes(model, setup, config, bandwidth_curve)
+    if in_flight:
+        notes.append(f"micro-batch search keeps {format_bytes(in_flight)} free for "
+                     f"{config.num_buckets_in_flight} DDP buckets in flight")
     current = setup
     for _ in range(4):
-        max_micro = _max_micro_batch(model, activations, current, budget, config)
+        max_micro = _max_micro_batch(model, activations, current, budget - in_flight, config)
         choose_from = max_micro
         if host_cap is not None and (max_micro is None or host_cap < max_micro):
             choose_from = host_cap
@@ -321,6 +327,20 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
 
 
+def _in_flight_bytes(model: ModelStats, setup: TrainingSetup, config: GuardConfig,
+                     bandwidth_curve) -> int:
+    """``num_buckets_in_flight`` buckets of the cap recommended without a memory bound; 0 when
+    no DDP buckets exist (FSDP, one rank, nothing trainable)."""
+    if setup.strategy not in (Strategy.DDP, Strategy.ZERO1) or setup.world_size == 1 or \
+            model.num_trainable_params == 0:
+        return 0
+    elem = PARAM_BYTES[setup.precision]
+    free = recommend_bucket_cap(grad_bytes=model.num_trainable_params * elem, config=config,
+                                param_bytes=tuple(n * elem for n in model.param_numels),
+                                bandwidth_curve=bandwidth_curve)
+    return int(config.num_buckets_in_flight * free.bucket_cap_mb * MiB)
+
+
 def _bucket_plan(model: ModelStats, setup: TrainingSetup, config: GuardConfig,
                  bandwidth_curve, slack: int, warnings: list[str],
                  notes: list[str]) -> BucketPlan | None:
@@ -338,8 +358,6 @@ def _bucket_plan(model: ModelStats, setup: TrainingSetup, config: GuardConfig,
         slack_arg = None
     else:
         slack_arg = slack
-    if setup.world_size == 1:
-        notes.append("world size 1: Ray does not wrap DDP; bucket_cap_mb applies once scaled out")
     return recommend_bucket_cap(grad_bytes=model.num_trainable_params * elem, config=config,
                                 param_bytes=tuple(n * elem for n in model.param_numels),
                                 bandwidth_curve=bandwidth_curve, memory_slack_bytes=slack_arg)
