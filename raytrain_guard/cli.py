@@ -437,6 +437,19 @@ def run_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def config_reference_markdown() -> str:
+    """The README's table of every GuardConfig key: default and the rule it comes from."""
+    import dataclasses
+
+    lines = ["| key | default | rule |", "|---|---|---|"]
+    for f in dataclasses.fields(GuardConfig):
+        default = "none" if f.default is None else str(f.default).lower() \
+            if isinstance(f.default, bool) else f"{f.default}"
+        doc = " ".join(f.metadata.get("doc", "").split()).replace("|", "\\|")
+        lines.append(f"| `{f.name}` | `{default}` | {doc} |")
+    return "\n".join(lines)
+
+
 # -- entry point ---------------------------------------------------------------------------------
 
 #: one entry per subcommand; each adds its parser and sets ``run``
