@@ -278,6 +278,49 @@ def test_request_prefetch_factor_applies_at_the_next_epoch_boundary(loaders):
     assert loader.plan.prefetch_factor == 8 and loader.stats()["replans"] == 2
 
 
+class GrowingSamples:
+    """Samples 0..7 hold 16 floats, the others 4096 (variable length, padded by the collate)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.zeros(16 if i < 8 else 4096)
+
+
+def pad_collate(samples):
+    longest = max(len(s) for s in samples)
+    return torch.stack([torch.nn.functional.pad(s, (0, longest - len(s))) for s in samples])
+
+
+def test_replan_uses_the_measured_batches_not_the_probe(loaders):
+    loader = loaders(GrowingSamples(), 8, shuffle=False, collate_fn=pad_collate,
+                     host_memory_bytes=16 * MiB, cpus_per_node=2, gpus_per_node=1)
+    # probe: samples 0..7 -> 8 x 16 x 4 = 512 B; budget 5 % x 16 MiB = 838860 B;
+    # 838860 // (2 x 512) = 819 -> prefetch 8
+    assert loader.probe_batch_bytes == 512 and loader.plan.prefetch_factor == 8
+    epoch_of(loader)
+    assert loader.stats()["max_batch_bytes"] == 8 * 4096 * 4          # 131072 B measured
+    epoch_of(loader)
+    # measured: 838860 // (2 x 131072) = 3
+    assert loader.plan.prefetch_factor == 3 and loader.torch_loader.prefetch_factor == 3
+    assert loader.stats()["replans"] == 1
+
+
+def test_set_prefetch_decision_is_applied(loaders):
+    from raytrain_guard.core.decisions import Action, Decision
+
+    loader = loaders(IndexDataset(16), 4, device="cpu", host_memory_bytes=1024 * MiB)
+    decision = Decision(Action.SET_PREFETCH, "host pressure on node n1", step=10,
+                        params={"prefetch_factor": 1, "device_prefetch_depth": 2})
+    assert loader.apply_decision(decision)
+    assert not loader.apply_decision(Decision(Action.RELEASE_CACHE, "x"))
+    assert loader.device_prefetch_depth == 2
+    epoch_of(loader)
+    epoch_of(loader)
+    assert loader.torch_loader.prefetch_factor == 1
+
+
 def test_host_pressure_lowers_prefetch_at_the_epoch_boundary(loaders):
     host = {"total": 64 * MiB, "available": 60 * MiB}
     loader = loaders(VectorDataset(64, 1024), 16, gpus_per_node=1, cpus_per_node=2,
@@ -305,8 +348,9 @@ def test_data_wait_and_batch_bytes_are_counted_per_step(loaders):
     assert stats["wall_total_s"] == 10.0 and stats["data_wait_frac"] == 0.5
     assert loader.last_data_wait_s == 1.0
     assert loader.last_batch_bytes == batch_nbytes(batches[-1]) == 4 * 16 * 4
-    # in flight: 2 workers x 8 prefetch x 256 B + 0 (no device stage holds none) ... depth 1 counts
-    assert stats["bytes_in_flight_estimate"] == 2 * loader.plan.prefetch_factor * 256 + 1 * 256
+    # in flight: 2 workers x prefetch 8 x 256 B = 4096 B; no device given: no device stage
+    assert loader.plan.prefetch_factor == 8
+    assert stats["bytes_in_flight_estimate"] == stats["host_bytes_in_flight_estimate"] == 4096
 
 
 def test_data_wait_includes_a_slow_dataset(loaders):

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.dataloader_sizing import DataLoaderPlan, size_dataloader
+from raytrain_guard.core.decisions import Action, Decision
 from raytrain_guard.errors import InputError, PlanInputError
 from raytrain_guard.runtime.batches import batch_nbytes, batch_signature
 from raytrain_guard.runtime.context import current_context
@@ -131,6 +132,7 @@ class GuardedDataLoader:
         self._list_backed = _is_list_backed(dataset, config)
         self._requested_prefetch: int | None = None
         self._max_batch_bytes = 0
+        self._last_planned_batch_bytes = self.probe_batch_bytes
         self.plan = self._make_plan(self.probe_batch_bytes)   # raises PlanInputError if too big
         self._device_prefetch_depth = self._fit_device_depth(device_prefetch_depth, warn=False)
 
@@ -257,12 +259,15 @@ class GuardedDataLoader:
         return int(fits)
 
     def _batch_bytes(self) -> int:
-        return self._max_batch_bytes or self.probe_batch_bytes
+        """The largest batch delivered this epoch, else the figure of the last plan."""
+        return self._max_batch_bytes or self._last_planned_batch_bytes
 
     def _replan(self) -> None:
-        """At an epoch boundary: re-size from the largest delivered batch and host pressure."""
+        """At an epoch boundary: re-size from the largest batch of the epoch and host pressure."""
+        measured = self._batch_bytes()
+        self._max_batch_bytes = 0                      # the next epoch measures afresh
         try:
-            plan = self._make_plan(self._batch_bytes())
+            plan = self._make_plan(measured)
         except PlanInputError as exc:  # fail open: smallest queue, keep training
             plan = dataclasses.replace(self.plan, prefetch_factor=min(1, self.plan.prefetch_factor),
                                        reason=f"re-plan failed ({exc}); prefetch_factor 1")
@@ -270,6 +275,7 @@ class GuardedDataLoader:
         changed = (plan.num_workers, plan.prefetch_factor) != (self.plan.num_workers,
                                                                self.plan.prefetch_factor)
         self.plan = plan
+        self._last_planned_batch_bytes = measured
         self._device_prefetch_depth = self._fit_device_depth(self._device_prefetch_depth,
                                                              warn=True)
         if changed:
@@ -484,11 +490,26 @@ class GuardedDataLoader:
             _check_int("prefetch_factor", prefetch_factor, 1, "use 1 or more, or None")
         self._requested_prefetch = prefetch_factor
 
+    def apply_decision(self, decision: Decision) -> bool:
+        """Apply a ``SET_PREFETCH`` decision (params ``prefetch_factor`` and/or
+        ``device_prefetch_depth``); other actions are not the loader's: returns False."""
+        if decision.action is not Action.SET_PREFETCH:
+            return False
+        params = decision.params
+        if "prefetch_factor" in params:
+            self.request_prefetch_factor(params["prefetch_factor"])
+        if "device_prefetch_depth" in params:
+            self.set_device_prefetch_depth(int(params["device_prefetch_depth"]))
+        logger.info("rank %d: applied %s", self.world_rank, decision)
+        return True
+
     def stats(self) -> dict[str, Any]:
         """Data-wait totals, batches, bytes in flight (estimate), re-plans."""
         batch = self._batch_bytes()
-        in_flight = self.plan.num_workers * self.plan.prefetch_factor * batch * (
-            2 if self._pin_memory else 1) + self._device_prefetch_depth * batch
+        workers = self.plan.num_workers * self.plan.prefetch_factor * batch * (
+            2 if self._pin_memory else 1)
+        stage = self._device_prefetch_depth * batch if self.device is not None else 0
+        host = workers + (stage if self._stage_in_host_memory else 0)
         watcher = self._watcher
         return {"epoch": self._epoch, "batches_consumed": self.batches_consumed,
                 "batches": self._num_batches, "last_data_wait_s": self.last_data_wait_s,
@@ -497,7 +518,10 @@ class GuardedDataLoader:
                 "data_wait_frac": self._wait_total_s / self._wall_total_s
                 if self._wall_total_s > 0 else 0.0,
                 "last_batch_bytes": self.last_batch_bytes, "max_batch_bytes": self._max_batch_bytes,
-                "bytes_in_flight_estimate": in_flight, "host_budget_bytes": self.plan.budget_bytes,
+                "bytes_in_flight_estimate": workers + stage, "host_bytes_in_flight_estimate": host,
+                "device_bytes_in_flight_estimate": stage - (stage if self._stage_in_host_memory
+                                                            else 0),
+                "host_budget_bytes": self.plan.budget_bytes,
                 "num_workers": self.plan.num_workers, "prefetch_factor": self.plan.prefetch_factor,
                 "device_prefetch_depth": self._device_prefetch_depth, "replans": self._replans,
                 "worker_private_bytes": watcher.last_private_bytes if watcher else 0,
