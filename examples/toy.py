@@ -55,8 +55,11 @@ class ToyDataset(Dataset):
         return {"id": i, "x": self.x[i], "y": self.y[i]}
 
 
-def make_dataset(num_samples: int = 256, dim: int = DIM, delay_s: float = 0.0) -> Dataset:
-    return ToyDataset(num_samples, dim, delay_s=delay_s)
+def make_dataset(num_samples: int = 256, dim: int = DIM, delay_s: float = 0.0,
+                 delay_rank: int | None = None) -> Dataset:
+    """A :class:`ToyDataset`; with ``delay_rank``, only that rank's copy is slow (``RANK``)."""
+    slow = delay_rank is None or int(os.environ.get("RANK", "-1")) == delay_rank
+    return ToyDataset(num_samples, dim, delay_s=delay_s if slow else 0.0)
 
 
 def make_optimizer(params, lr: float = 0.05) -> torch.optim.Optimizer:

@@ -1,0 +1,657 @@
+"""The shared train loop template: hand :func:`train_loop_per_worker` to a TorchTrainer.
+
+::
+
+    trainer = TorchTrainer(train_loop_per_worker, train_loop_config={
+        "model_factory": "mypkg.models:make_model",        # () -> nn.Module
+        "dataset_factory": "mypkg.data:make_dataset",      # () -> Dataset (map-style)
+        "optimizer_factory": "mypkg.optim:make_optimizer", # (params) -> Optimizer
+        "loss_fn": "mypkg.loss:loss_fn",                   # (model, batch) -> scalar tensor
+        "micro_batch": 32, "grad_accum": 4, "epochs": 2, "checkpoint_every_steps": 200,
+        "strategy": "ddp", "guard": {"memory_watermark_frac": 0.85}},
+        scaling_config=ScalingConfig(num_workers=8, use_gpu=True))
+
+Factories are ``"module:attr"`` strings or callables (``functools.partial`` for arguments).
+``loss_fn(model, batch)`` receives the wrapped model and the batch already on the device, and
+returns the scalar loss of that micro-batch (the loop divides by ``grad_accum``).
+
+What the loop does, per worker: builds the guarded DataLoader (sharded, sized, resumable) and
+validates the dataset and batch before any collective; measures allreduce bandwidth on the live
+process group; wraps the model as planned (DDP with the recommended ``bucket_cap_mb``, ZeRO-1,
+FSDP2); accumulates gradients without synchronizing all but the last micro-batch; runs the
+step gate every step; checkpoints every ``checkpoint_every_steps`` through
+``ray.train.report(checkpoint=...)`` (all ranks report, rank 0 writes); resumes from
+``ray.train.get_checkpoint()`` at the same step and the same next sample; and stops cleanly on
+a ``CHECKPOINT_AND_STOP`` once every rank agrees (one 4-byte allreduce of a stop flag every
+``stop_check_every_steps`` steps).
+
+Seam for the cluster layer: ``decision_source`` (an object with ``poll(step, stats) ->
+list[Decision]``) is called on every rank at every step boundary; each decision it returns is
+applied at exactly that step (a decision carrying a later ``step`` waits for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterator, Mapping
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.decisions import Action, Cause, Decision
+from raytrain_guard.core.memory_model import Strategy
+from raytrain_guard.core.steps import StepStats
+from raytrain_guard.errors import GuardError, InputError
+from raytrain_guard.runtime.model import parse_strategy
+
+logger = logging.getLogger(__name__)
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    """``train_loop_config`` of the template, validated (:meth:`from_dict`)."""
+
+    model_factory: Callable[[], Any]
+    dataset_factory: Callable[[], Any]
+    optimizer_factory: Callable[[Any], Any]
+    loss_fn: Callable[[Any, Any], Any]
+    micro_batch: int = 32
+    grad_accum: int = 1
+    epochs: int = 1
+    max_steps: int | None = None
+    checkpoint_every_steps: int | None = None    # None: guard.checkpoint_every_steps
+    seed: int = 0
+    strategy: Strategy = Strategy.DDP
+    bucket_cap_mb: float | None = None           # None: recommended from gradients + curve
+    gradient_as_bucket_view: bool = False
+    measure_bandwidth: bool = True
+    stop_check_every_steps: int = 1
+    num_workers: int | None = None               # DataLoader workers; None: the guard sizes
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    decision_source: Any = None
+    audit_dir: str | None = None                 # per-rank consumed sample ids (JSON lines)
+    sample_id_key: str = "id"
+    faults: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "LoopConfig":
+        """Validate ``train_loop_config``; each bad entry raises InputError naming it."""
+        if not isinstance(data, Mapping):
+            raise InputError("train_loop_config", "must be a dict", value=type(data).__name__,
+                             fix="pass train_loop_config={...} to TorchTrainer")
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                raise InputError(f"train_loop_config[{key!r}]", "unknown key",
+                                 fix=f"did you mean {close[0]!r}?" if close
+                                 else "known keys: " + ", ".join(sorted(known)))
+        values = dict(data)
+        for name in ("model_factory", "dataset_factory", "optimizer_factory", "loss_fn"):
+            if name not in values:
+                raise InputError(f"train_loop_config[{name!r}]", "missing",
+                                 fix="pass a 'module:attr' string or a callable")
+            values[name] = resolve_callable(values[name], field_name=name)
+        for name, lo in (("micro_batch", 1), ("grad_accum", 1), ("epochs", 1), ("seed", 0),
+                         ("stop_check_every_steps", 1)):
+            if name in values:
+                values[name] = _as_int(name, values[name], lo)
+        for name in ("max_steps", "checkpoint_every_steps", "num_workers"):
+            if values.get(name) is not None:
+                values[name] = _as_int(name, values[name], 0 if name == "num_workers" else 1)
+        if "strategy" in values:
+            values["strategy"] = parse_strategy(values["strategy"])
+        guard = values.get("guard", {})
+        if isinstance(guard, Mapping):
+            values["guard"] = GuardConfig.from_dict(guard, source="train_loop_config['guard']")
+        elif not isinstance(guard, GuardConfig):
+            raise InputError("guard", "must be a dict of GuardConfig fields",
+                             value=type(guard).__name__, fix="e.g. {'headroom_frac': 0.2}")
+        if values.get("bucket_cap_mb") is not None and not float(values["bucket_cap_mb"]) > 0:
+            raise InputError("bucket_cap_mb", "must be > 0", value=values["bucket_cap_mb"],
+                             fix="omit it to use the recommended cap")
+        source = values.get("decision_source")
+        if source is not None and not callable(getattr(source, "poll", None)):
+            raise InputError("decision_source", "has no poll(step, stats) method",
+                             value=type(source).__name__, fix="pass a LockstepDecisionSource")
+        if not isinstance(values.get("faults", {}), Mapping):
+            raise InputError("faults", "must be a dict", value=values["faults"],
+                             fix="e.g. {'delay': [{'seconds': 0.05, 'ranks': [1]}]}")
+        return cls(**values)
+
+    @property
+    def every_checkpoint(self) -> int:
+        return self.checkpoint_every_steps or self.guard.checkpoint_every_steps
+
+
+def resolve_callable(value: Any, *, field_name: str) -> Callable[..., Any]:
+    """A callable, or a ``"package.module:attr"`` string imported now."""
+    if callable(value):
+        return value
+    if not isinstance(value, str) or ":" not in value:
+        raise InputError(field_name, "is neither callable nor a 'module:attr' string",
+                         value=value, fix="pass e.g. 'mypkg.models:make_model' or a function")
+    module_name, _, attr = value.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise InputError(field_name, f"cannot be imported ({exc})", value=value,
+                         fix="check the module is importable on every worker "
+                             "(runtime_env working_dir or py_modules)") from None
+    if not callable(obj):
+        raise InputError(field_name, "is not callable", value=value, fix="point at a function")
+    return obj
+
+
+def _as_int(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise InputError(name, f"must be an integer >= {lo}", value=value,
+                         fix=f"set {name} to an integer >= {lo}")
+    return value
+
+
+# -- reporting: Ray Train, or a plain directory outside Ray ---------------------------------------
+
+class RayTrainReporter:
+    """Checkpoints and results through ``ray.train`` (a barrier across all workers)."""
+
+    def latest_checkpoint_dir(self) -> contextlib.AbstractContextManager[str | None]:
+        import ray.train
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return contextlib.nullcontext(None)
+        return checkpoint.as_directory()
+
+    def report(self, metrics: Mapping[str, Any], checkpoint_dir: str | None) -> None:
+        import ray.train
+        checkpoint = (ray.train.Checkpoint.from_directory(checkpoint_dir)
+                      if checkpoint_dir is not None else None)
+        ray.train.report(dict(metrics), checkpoint=checkpoint)
+
+
+class DirectoryReporter:
+    """Outside Ray: checkpoints go to ``root/checkpoint_<step>``; results are kept in memory."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.reports: list[dict[str, Any]] = []
+
+    def latest_checkpoint_dir(self) -> contextlib.AbstractContextManager[str | None]:
+        found = sorted((d for d in os.listdir(self.root) if d.startswith("checkpoint_")),
+                       key=lambda d: int(d.split("_")[1])) if os.path.isdir(self.root) else []
+        return contextlib.nullcontext(os.path.join(self.root, found[-1]) if found else None)
+
+    def report(self, metrics: Mapping[str, Any], checkpoint_dir: str | None) -> None:
+        self.reports.append(dict(metrics))
+        if checkpoint_dir is not None:
+            import shutil
+            target = os.path.join(self.root, f"checkpoint_{metrics['step']}")
+            shutil.copytree(checkpoint_dir, target, dirs_exist_ok=True)
+
+
+# -- the loop ------------------------------------------------------------------------------------
+
+def train_loop_per_worker(config: dict) -> dict[str, Any]:
+    """The TorchTrainer entry point: run the guarded loop of ``config`` on this worker."""
+    return GuardedTrainLoop(LoopConfig.from_dict(config)).run()
+
+
+class GuardedTrainLoop:
+    """One worker's guarded training run (see the module docstring).
+
+    ``reporter``: :class:`RayTrainReporter` inside Ray Train (default there), else a
+    :class:`DirectoryReporter`. :meth:`_agree` is the one method that touches
+    torch.distributed (bandwidth, wrapping and checkpoint gathering live in their modules).
+    """
+
+    def __init__(self, config: LoopConfig, *, reporter: Any = None, context: Any = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        from raytrain_guard.runtime.context import current_context
+
+        self.config = config
+        self.ctx = context or current_context()
+        self.reporter = reporter or (RayTrainReporter() if self.ctx.source == "ray"
+                                     else DirectoryReporter(tempfile.mkdtemp(prefix="rtg-")))
+        self._clock = clock
+        self.rank = self.ctx.world_rank
+        self.world_size = self.ctx.world_size
+        self.step = 0
+        self.decisions: list[dict[str, Any]] = []
+        self.window: deque[StepStats] = deque(maxlen=config.guard.step_window)
+        self.pending: list[Decision] = []      # from the decision source, for later steps
+        self.stop_reason: str | None = None
+        self._local_stop: Decision | None = None
+        self._last_loss: Any = None
+        self._audit = None
+        self.results: dict[str, Any] = {}
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _build(self) -> None:
+        import torch
+
+        from raytrain_guard.runtime.loader import GuardedDataLoader
+
+        cfg = self.config
+        device = self._device()
+        self.device = device
+        _seed_everything(cfg.seed)                  # same initial weights on every rank
+        dataset = _call_factory("dataset_factory", cfg.dataset_factory)
+        self.loader = GuardedDataLoader(
+            dataset, cfg.micro_batch, shuffle=True, seed=cfg.seed, config=cfg.guard,
+            world_rank=self.rank, world_size=self.world_size, device=device,
+            num_workers=cfg.num_workers)
+        model = _call_factory("model_factory", cfg.model_factory)
+        if not isinstance(model, torch.nn.Module):
+            raise InputError("model_factory", "did not return a torch.nn.Module",
+                             value=type(model).__name__, fix="return an nn.Module")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise InputError("model_factory", "returned a model without trainable parameters",
+                             value=type(model).__name__, fix="leave some parameters trainable")
+        self.steps_per_epoch = len(self.loader) // cfg.grad_accum
+        if self.steps_per_epoch == 0:
+            raise InputError("grad_accum", f"exceeds the {len(self.loader)} micro-batches of "
+                             f"an epoch on each rank", value=cfg.grad_accum,
+                             fix="use a smaller grad_accum or micro_batch, or more data")
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        if cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self._model = model
+        # Everything above is local: a bad input fails on every rank before any collective.
+
+    def _plan_and_wrap(self) -> None:
+        from raytrain_guard.core.buckets import recommend_bucket_cap
+        from raytrain_guard.runtime.bandwidth import measure_allreduce_curve
+        from raytrain_guard.runtime.model import wrap_model, wrap_optimizer
+
+        cfg, model = self.config, self._model
+        self.curve = None
+        if cfg.measure_bandwidth and self.world_size > 1:
+            self.curve = measure_allreduce_curve(device=self.device)
+            logger.info("rank %d: %s", self.rank, self.curve.describe(cfg.guard.bandwidth_peak_frac))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
+        self.bucket_plan = recommend_bucket_cap(
+            grad_bytes=grad_bytes, config=cfg.guard,
+            param_bytes=[p.numel() * p.element_size() for p in reversed(trainable)],
+            bandwidth_curve=self.curve.as_pairs() if self.curve is not None else None)
+        cap = cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else self.bucket_plan.bucket_cap_mb
+        if cfg.strategy in (Strategy.DDP, Strategy.ZERO1):
+            logger.info("rank %d: %s%s", self.rank, self.bucket_plan.reason,
+                        f" (overridden: bucket_cap_mb={cap} as given)"
+                        if cfg.bucket_cap_mb is not None else "")
+        self.planned = wrap_model(model, strategy=cfg.strategy, bucket_cap_mb=cap,
+                                  gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+                                  device=self.device)
+        optimizer = _call_factory("optimizer_factory", cfg.optimizer_factory,
+                                  self.planned.module.parameters())
+        import torch
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InputError("optimizer_factory", "did not return a torch.optim.Optimizer",
+                             value=type(optimizer).__name__, fix="return e.g. AdamW(params)")
+        self.optimizer = wrap_optimizer(self.planned, optimizer)
+
+    def _build_guard(self) -> None:
+        from raytrain_guard.runtime.probes import FaultInjector
+        from raytrain_guard.runtime.step_guard import StepGuard
+        from raytrain_guard.runtime.timing import StepTimer, attach_comm_timer
+
+        cfg = self.config
+        self.faults = _fault_injector(cfg.faults, self.rank, FaultInjector)
+        self.memory_faults = [m for m in cfg.faults.get("memory", ())
+                              if int(m.get("rank", 0)) == self.rank]
+        timer = StepTimer(device=self.device, world_rank=self.rank)
+        self.guard = StepGuard(cfg.guard, probe=self._probe(), timer=timer,
+                               world_rank=self.rank, fault_injector=self.faults)
+        if self.planned.kind == "ddp":
+            try:
+                attach_comm_timer(self.planned.module, timer)
+            except Exception:  # noqa: BLE001 - fail open: no communication wait figures
+                logger.warning("rank %d: communication timer not attached", self.rank,
+                               exc_info=True)
+        self.metrics = _StepMetrics(self.rank)
+
+    def _probe(self) -> Any:
+        from raytrain_guard.runtime.probes import CudaMemoryProbe, ProcessMemoryProbe
+        try:
+            if self.device.type == "cuda":
+                return CudaMemoryProbe(self.device)
+            return ProcessMemoryProbe(self.config.guard,
+                                      local_world_size=max(1, self.ctx.local_world_size))
+        except Exception:  # noqa: BLE001 - fail open: timing rules only
+            logger.warning("rank %d: no memory probe", self.rank, exc_info=True)
+            return None
+
+    def _resume(self) -> None:
+        from raytrain_guard.runtime.checkpoint import read_train_state, restore_train_state
+
+        with self.reporter.latest_checkpoint_dir() as directory:
+            if directory is None:
+                self.resumed_from = None
+                return
+            state = read_train_state(directory)
+        restore_train_state(self.planned, self.optimizer, state, world_rank=self.rank)
+        self.loader.load_state_dict(state["loader"])
+        guards = state.get("guard") or []
+        if self.rank < len(guards) and guards[self.rank].get("gate"):
+            try:
+                self.guard.gate.load_state_dict(guards[self.rank]["gate"])
+            except Exception:  # noqa: BLE001 - fail open: a fresh gate
+                logger.warning("rank %d: gate state not restored", self.rank, exc_info=True)
+        self.step = int(state["step"])
+        self.resumed_from = self.step
+        logger.info("rank %d: resumed at step %d, loader %s", self.rank, self.step,
+                    self.loader.state_dict())
+
+    # -- run -------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        start = self._clock()
+        self._build()
+        self._plan_and_wrap()
+        self._build_guard()
+        self._resume()
+        if self.config.audit_dir:
+            os.makedirs(self.config.audit_dir, exist_ok=True)
+            self._audit = open(os.path.join(self.config.audit_dir, f"rank{self.rank}.jsonl"), "a")
+        try:
+            self._train()
+        finally:
+            if self._audit is not None:
+                self._audit.close()
+            self.loader.close()
+        self.results = self._finish(self._clock() - start)
+        return self.results
+
+    def _train(self) -> None:
+        cfg = self.config
+        micro_batches = self._micro_batches()
+        while self.step < self.total_steps:
+            step = self.step
+            if self.memory_faults:
+                self._fill_memory(step)
+            self.guard.begin_step(step)
+            for micro in range(cfg.grad_accum):
+                batch = next(micro_batches)
+                self.guard.mark("data")
+                if self._audit is not None:
+                    self._log_ids(step, batch)
+                with self.planned.grad_sync(micro == cfg.grad_accum - 1):
+                    loss = cfg.loss_fn(self.planned.module, batch)
+                    _check_loss(loss, step)
+                    self.guard.mark("forward")
+                    (loss / cfg.grad_accum).backward()
+                self.guard.mark("backward")
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.guard.mark("optimizer")
+            self._last_loss = loss.detach()
+            self.step = step + 1
+            decisions = self.guard.end_step(step)
+            new_stats = self.guard.drain_stats()
+            self.window.extend(new_stats)
+            for stats in new_stats:
+                self.metrics.record(stats)
+            if self._boundary(self.step, decisions, new_stats):
+                break
+
+    def _fill_memory(self, step: int) -> None:
+        """Rehearsal (``faults["memory"]``): hold ballast so this rank's memory reading reaches
+        ``frac`` of its budget at ``step``."""
+        for spec in [m for m in self.memory_faults if int(m["step"]) == step]:
+            reading = self.guard.probe.read() if self.guard.probe is not None else None
+            if reading is None or self.faults is None:
+                continue
+            missing = int(float(spec["frac"]) * reading.total_bytes) - reading.used_bytes
+            if missing > 0:
+                self.faults.allocate_ballast(missing)
+            logger.warning("rank %d step %d: fault injected: memory filled to %.2f of the "
+                           "budget", self.rank, step, float(spec["frac"]))
+
+    def _micro_batches(self) -> Iterator[Any]:
+        """Micro-batches across epochs (the loader moves to the next epoch by itself)."""
+        while True:
+            delivered = False
+            for batch in self.loader:
+                delivered = True
+                yield batch
+            if not delivered:
+                return
+
+    def _boundary(self, step: int, local: list[Decision], stats: list[StepStats]) -> bool:
+        """After ``step`` steps: local and cluster decisions, the stop agreement, checkpoints.
+        Returns True when the run stops here."""
+        cfg = self.config
+        checkpoint_now = step % cfg.every_checkpoint == 0 and step < self.total_steps
+        for decision in local:
+            self._record(step, decision)
+            if decision.action is Action.CHECKPOINT_AND_STOP and self._local_stop is None:
+                self._local_stop = decision
+        due = [d for d in self.pending if d.step is not None and d.step <= step]
+        self.pending = [d for d in self.pending if d not in due]
+        if cfg.decision_source is not None:
+            for decision in cfg.decision_source.poll(step, stats) or ():
+                (self.pending.append(decision) if decision.step is not None
+                 and decision.step > step else due.append(decision))
+        stop = False
+        for decision in due:
+            self._record(step, decision)
+            checkpoint_now |= self._apply_cluster(decision)
+            stop |= decision.action is Action.CHECKPOINT_AND_STOP
+        if stop:
+            self.stop_reason = next(d.reason for d in due
+                                    if d.action is Action.CHECKPOINT_AND_STOP)
+        elif step % cfg.stop_check_every_steps == 0:
+            if self._agree(self._local_stop is not None):
+                stop = True
+                self.stop_reason = (self._local_stop.reason if self._local_stop is not None
+                                    else _OTHER_RANK_STOP)
+        if stop:
+            logger.warning("rank %d: checkpoint and stop at step %d: %s", self.rank, step,
+                           self.stop_reason)
+            return True
+        if checkpoint_now:
+            self._checkpoint({"kind": "periodic"})
+        return False
+
+    def _apply_cluster(self, decision: Decision) -> bool:
+        """Apply a decision from the decision source; True when it asks for a checkpoint."""
+        from raytrain_guard.runtime.step_guard import release_cache
+
+        action = decision.action
+        if action is Action.RELEASE_CACHE:
+            release_cache()
+        elif action is Action.SET_PREFETCH:
+            if "prefetch_factor" in decision.params:
+                self.loader.request_prefetch_factor(decision.params["prefetch_factor"])
+            if "device_prefetch_depth" in decision.params:
+                self.loader.set_device_prefetch_depth(int(decision.params["device_prefetch_depth"]))
+        elif action is Action.CHECKPOINT:
+            return True
+        elif action is Action.SHRINK_MICRO_BATCH:
+            logger.warning("rank %d: %s not applied: the template cannot change micro_batch "
+                           "mid-run; restart with the new micro_batch", self.rank, decision)
+        return False
+
+    def _agree(self, local_stop: bool) -> bool:
+        """True when any rank wants to stop: one 4-byte all_reduce(MAX); touches
+        torch.distributed (every rank calls it at the same steps)."""
+        if self.world_size == 1:
+            return local_stop
+        import torch
+        import torch.distributed as dist
+        flag = torch.tensor([1 if local_stop else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _record(self, step: int, decision: Decision) -> None:
+        entry = decision.to_dict()
+        entry.update(applied_at=step, world_rank=self.rank)
+        self.decisions.append(entry)
+
+    def _log_ids(self, step: int, batch: Any) -> None:
+        ids = batch.get(self.config.sample_id_key) if isinstance(batch, Mapping) else None
+        if ids is None:
+            return
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        self._audit.write(json.dumps({"step": step, "epoch": self.loader.epoch, "ids": ids,
+                                      "resumed_from": self.resumed_from}) + "\n")
+        self._audit.flush()
+
+    # -- checkpoints and results -----------------------------------------------------------------
+    def _checkpoint(self, metrics: Mapping[str, Any]) -> None:
+        """Gather the state (a collective), rank 0 writes it, every rank reports."""
+        from raytrain_guard.runtime.checkpoint import gather_train_state, write_train_state
+
+        state = gather_train_state(
+            self.planned, self.optimizer, step=self.step, loader_state=self.loader.state_dict(),
+            guard_state={"gate": self.guard.gate.state_dict()})
+        loss = float(self._last_loss) if self._last_loss is not None else None
+        report = {"step": self.step, "loss": loss, **metrics}
+        with tempfile.TemporaryDirectory(prefix="rtg-ckpt-") as tmp:
+            directory = None
+            if state is not None:
+                write_train_state(tmp, state)
+                directory = tmp
+            self.reporter.report(report, directory)
+        logger.info("rank %d: checkpoint at step %d", self.rank, self.step)
+
+    def _finish(self, wall_s: float) -> dict[str, Any]:
+        """Final figures; rank 0 names stragglers across ranks; a last checkpoint + report."""
+        from raytrain_guard.core.gate import attribute_across_ranks
+
+        own = {"world_rank": self.rank, "window": [s.to_dict() for s in self.window],
+               "decisions": self.decisions, "loader": self.loader.stats(),
+               "faults_applied": getattr(self.faults, "num_delays", 0)}
+        per_rank = self._gather(own)
+        windows = [[StepStats.from_dict(s) for s in r["window"]] for r in per_rank]
+        attribution = [dict(world_rank=a.world_rank, role=a.role.value, reason=a.reason)
+                       for a in attribute_across_ranks(
+                           windows, straggler_frac=self.config.guard.straggler_frac)]
+        stops = [d for r in per_rank for d in r["decisions"]
+                 if d["action"] == Action.CHECKPOINT_AND_STOP.value]
+        if self.stop_reason == _OTHER_RANK_STOP and stops:
+            self.stop_reason = f"rank {stops[0]['world_rank']}: {stops[0]['reason']}"
+        for a in attribution:
+            if a["role"] != "normal":
+                logger.warning("rank %d: %s", self.rank, a["reason"])
+        results = {
+            "step": self.step, "total_steps": self.total_steps,
+            "stopped_early": self.stop_reason is not None, "stop_reason": self.stop_reason,
+            "resumed_from": self.resumed_from, "world_size": self.world_size,
+            "wall_s": round(wall_s, 3),
+            "bandwidth": self.curve.to_dict(self.config.guard.bandwidth_peak_frac)
+            if self.curve is not None else None,
+            "bucket_plan": self.bucket_plan.to_dict(), "model": self.planned.describe(),
+            "bucket_layout": self.planned.bucket_layout(),
+            "attribution": attribution,
+            "decisions": [d for r in per_rank for d in r["decisions"]],
+            "loader": [r["loader"] for r in per_rank],
+            "faults_applied": [r["faults_applied"] for r in per_rank],
+        }
+        self._checkpoint({"kind": "final", "results": json.dumps(results, default=str)})
+        return results
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _device(self) -> Any:
+        import torch
+        if self.ctx.source == "ray":
+            from ray.train.torch import get_device
+            return torch.device(get_device())
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+_OTHER_RANK_STOP = "another rank's gate asked to checkpoint and stop"
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+class _StepMetrics:
+    """Per-step gauges (``ray.util.metrics``, about 2-4 us a call); no-ops outside Ray."""
+
+    def __init__(self, world_rank: int) -> None:
+        self.tags = {"world_rank": str(world_rank)}
+        self.gauges: dict[str, Any] = {}
+        try:
+            import ray
+            from ray.util.metrics import Gauge
+            if not ray.is_initialized():
+                return
+            for name in ("total_s", "data_wait_s", "comm_wait_s", "compute_s", "memory_frac"):
+                self.gauges[name] = Gauge(f"raytrain_guard_step_{name}",
+                                          f"per-step {name} of a training rank",
+                                          tag_keys=("world_rank",))
+        except Exception:  # noqa: BLE001 - fail open: no metrics
+            logger.debug("no ray.util.metrics", exc_info=True)
+
+    def record(self, stats: StepStats) -> None:
+        for name, gauge in self.gauges.items():
+            value = getattr(stats, name)
+            if value is not None:
+                gauge.set(float(value), tags=self.tags)
+
+
+def _call_factory(name: str, factory: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return factory(*args)
+    except GuardError:
+        raise
+    except Exception as exc:
+        raise InputError(name, f"raised {type(exc).__name__}: {exc}",
+                         value=getattr(factory, "__name__", repr(factory)),
+                         fix="fix the factory; it runs on every worker") from exc
+
+
+def _check_loss(loss: Any, step: int) -> None:
+    import torch
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InputError("loss_fn", f"must return a scalar tensor (step {step})", value=shape,
+                         fix="reduce the loss, e.g. .mean(), and return a tensor")
+
+
+def _seed_everything(seed: int) -> None:
+    import torch
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+        numpy.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _fault_injector(faults: Mapping[str, Any], rank: int, factory: Callable[..., Any]) -> Any:
+    """``faults = {"delay": [{"seconds", "phase", "ranks", "steps": [lo, hi)}],
+    "ballast_bytes": {"<rank>": n}, "memory": [{"rank", "step", "frac"}]}`` -> a FaultInjector
+    (None when empty). ``memory`` fills the rank's memory to ``frac`` of its budget at ``step``."""
+    if not faults:
+        return None
+    injector = factory(world_rank=rank)
+    for spec in faults.get("delay", ()):
+        steps = spec.get("steps")
+        injector.delay(float(spec["seconds"]), phase=spec.get("phase", "forward"),
+                       ranks=spec.get("ranks"), steps=range(*steps) if steps else None)
+    ballast = dict(faults.get("ballast_bytes", {})).get(str(rank))
+    if ballast:
+        injector.allocate_ballast(int(ballast))
+    return injector
