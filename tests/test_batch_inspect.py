@@ -7,9 +7,14 @@ import pytest
 import torch
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
-from raytrain_guard.batch_inspect import (batch_bytes, is_list_backed, leading_batch_size,
-                                          list_backed_attributes, measure_batch,
-                                          measure_dataset)
+from raytrain_guard.batch_inspect import (
+    batch_bytes,
+    is_list_backed,
+    leading_batch_size,
+    list_backed_attributes,
+    measure_batch,
+    measure_dataset,
+)
 from raytrain_guard.errors import PlanInputError
 
 Pair = collections.namedtuple("Pair", "x y")

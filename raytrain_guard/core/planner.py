@@ -19,15 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.buckets import BucketPlan, recommend_bucket_cap
-from raytrain_guard.core.dataloader_sizing import (DataLoaderPlan, host_budget_bytes,
-                                                   size_dataloader, workers_per_gpu)
-from raytrain_guard.core.memory_model import (PARAM_BYTES, MemoryEstimate, Strategy,
-                                              TrainingSetup, estimate)
+from raytrain_guard.core.dataloader_sizing import (
+    DataLoaderPlan,
+    host_budget_bytes,
+    size_dataloader,
+    workers_per_gpu,
+)
+from raytrain_guard.core.memory_model import (
+    PARAM_BYTES,
+    MemoryEstimate,
+    Strategy,
+    TrainingSetup,
+    estimate,
+)
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.errors import PlanInputError
 from raytrain_guard.units import MiB, format_bytes
