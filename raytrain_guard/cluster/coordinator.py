@@ -56,7 +56,7 @@ IGNORE_REASONS = ("stale", "duplicate", "out_of_order", "malformed")
 
 
 class _Rank:
-    __slots__ = ("node_id", "window", "setup", "last_step", "batches", "num_steps")
+    __slots__ = ("node_id", "window", "setup", "last_step", "batches", "num_steps", "view")
 
     def __init__(self, node_id: str, window_len: int) -> None:
         self.node_id = node_id
@@ -65,6 +65,7 @@ class _Rank:
         self.last_step = -1
         self.batches: deque[tuple[int, int]] = deque(maxlen=RECENT_BATCHES_KEPT)
         self.num_steps = 0
+        self.view: RankView | None = None   # rebuilt per report: summaries off the round
 
 
 class Coordinator:
@@ -142,6 +143,7 @@ class Coordinator:
         entry.last_step = steps[-1]
         entry.num_steps += len(batch)
         entry.setup = run_setup if setup else entry.setup
+        entry.view = RankView(rank, node, tuple(entry.window), entry.setup)
         self.num_reports += 1
         self._maybe_decide()
 
@@ -193,7 +195,7 @@ class Coordinator:
         for note in outcome.notes:
             self._warn_once(note, note)
         if self._metrics is not None:
-            p50, p99 = self._step_quantiles()
+            p50, p99 = self._round_step_quantiles()
             self._safe_metrics(lambda: self._metrics.record_round(
                 self._scores, {r: e.node_id for r, e in self._ranks.items()},
                 self._state.flagged_nodes, set(self._nodes), p50, p99))
@@ -214,8 +216,7 @@ class Coordinator:
         max_age = NODE_SAMPLE_MAX_AGE_INTERVALS * self.config.monitor_interval_s
         now = self._clock()
         nodes = {n: s for n, (s, at) in self._nodes.items() if now - at <= max_age}
-        ranks = {r: RankView(r, e.node_id, tuple(e.window), e.setup)
-                 for r, e in self._ranks.items()}
+        ranks = {r: e.view for r, e in self._ranks.items() if e.view is not None}
         return ClusterView(ranks, nodes)
 
     def _new_attempt(self, attempt: int) -> None:
@@ -265,6 +266,14 @@ class Coordinator:
                 "active_decisions": active, "notes": list(self._notes),
                 "ignored": dict(self.ignored), "num_reports": self.num_reports,
                 "num_node_samples": self.num_node_samples, "num_rounds": self.num_rounds}
+
+    def _round_step_quantiles(self) -> tuple[float | None, float | None]:
+        """For the per-round gauges, from the per-report summaries (O(ranks), not O(steps)):
+        p50 is the median of the ranks' median step, p99 the 99th percentile of their p99s.
+        ``status()`` gives the exact quantiles over every step in the windows."""
+        views = [e.view.timing for e in self._ranks.values() if e.view is not None]
+        return (_quantile([t.total_s for t in views], 0.5),
+                _quantile([t.total_p99_s for t in views], 0.99))
 
     def _step_quantiles(self) -> tuple[float | None, float | None]:
         totals = [s.total_s for e in self._ranks.values() for s in e.window]

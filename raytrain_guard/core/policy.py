@@ -39,17 +39,39 @@ from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
 from raytrain_guard.core.node_samples import NodeSample, RunSetup
 from raytrain_guard.core.steps import StepStats
-from raytrain_guard.core.straggler import StragglerScore, score_ranks
+from raytrain_guard.core.straggler import (StragglerScore, TimingSummary, score_summaries,
+                                           summarize)
+
+
+@dataclass(frozen=True)
+class MemoryTrend:
+    """A rank's latest device memory fraction and its least-squares slope per step."""
+
+    frac: float
+    slope_per_step: float
+    step: int
 
 
 @dataclass(frozen=True)
 class RankView:
-    """One rank as the coordinator knows it: its node and its recent steps (oldest first)."""
+    """One rank as the coordinator knows it: its node and its recent steps (oldest first).
+
+    ``timing`` and ``memory`` summarize the window; they are computed here once, so the
+    coordinator builds a view per report and a policy round costs O(ranks), not O(steps).
+    """
 
     world_rank: int
     node_id: str
     window: tuple[StepStats, ...]
     setup: RunSetup = RunSetup()
+    timing: TimingSummary = field(init=False, repr=False, compare=False)
+    memory: MemoryTrend | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "timing", summarize(self.window))
+        points = [(s.step, s.memory_frac) for s in self.window if s.memory_frac is not None]
+        object.__setattr__(self, "memory", MemoryTrend(points[-1][1], _slope(points),
+                                                       points[-1][0]) if points else None)
 
 
 @dataclass(frozen=True)
@@ -109,8 +131,9 @@ def default_apply_step(latest_step: int, config: GuardConfig) -> int:
 def decide(view: ClusterView, state: PolicyState, config: GuardConfig,
            next_apply_step: int) -> PolicyOutcome:
     """One policy round (pure). See the module docstring for the rules."""
-    scores = score_ranks({r: v.window for r, v in view.ranks.items()},
-                         min_steps=min(3, config.step_window), noise_frac=config.straggler_frac / 2)
+    scores = score_summaries({r: v.timing for r, v in view.ranks.items()},
+                             min_steps=min(3, config.step_window),
+                             noise_frac=config.straggler_frac / 2)
     if state.stop_step is not None:
         return PolicyOutcome((), state, scores, ("stopping: checkpoint_and_stop already decided "
                                                  f"for step {state.stop_step}",))
@@ -130,13 +153,10 @@ def worst_device_pressure(view: ClusterView) -> Pressure | None:
     """The highest device memory fraction: each rank's latest StepStats, each GPU's NVML reading."""
     worst: Pressure | None = None
     for rank in view.ranks.values():
-        points = [(s.step, s.memory_frac) for s in rank.window if s.memory_frac is not None]
-        if not points:
-            continue
-        p = Pressure(points[-1][1], f"rank {rank.world_rank} (node {rank.node_id})",
-                     _slope(points), points[-1][0])
-        if worst is None or p.frac > worst.frac:
-            worst = p
+        m = rank.memory
+        if m is not None and (worst is None or m.frac > worst.frac):
+            worst = Pressure(m.frac, f"rank {rank.world_rank} (node {rank.node_id})",
+                             m.slope_per_step, m.step)
     for node in view.nodes.values():
         for gpu in node.gpus:
             if worst is None or gpu.memory_frac > worst.frac:

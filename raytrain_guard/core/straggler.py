@@ -21,6 +21,7 @@ Worked example (4 ranks, every step 1.0 s, medians over each rank's window)::
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -49,6 +50,32 @@ class StragglerScore:
                 "step_s": self.step_s, "num_steps": self.num_steps}
 
 
+@dataclass(frozen=True)
+class TimingSummary:
+    """Medians of one rank's window: what the scores compare across ranks."""
+
+    data_wait_s: float
+    compute_s: float
+    comm_wait_s: float
+    total_s: float
+    num_steps: int
+    total_p99_s: float = 0.0     # nearest-rank 99th percentile of the step times
+
+
+def summarize(window: Sequence[StepStats]) -> TimingSummary:
+    """Medians over a window (the coordinator does this once per report, not per round)."""
+    if not window:
+        return TimingSummary(0.0, 0.0, 0.0, 0.0, 0)
+    totals = sorted(s.total_s for s in window)
+    n = len(totals)
+    return TimingSummary(statistics.median([s.data_wait_s for s in window]),
+                         statistics.median([s.forward_s + s.backward_s + s.optimizer_s
+                                            for s in window]),
+                         statistics.median([s.comm_wait_s for s in window]),
+                         statistics.median(totals), n,
+                         totals[max(0, math.ceil(0.99 * n) - 1)])
+
+
 def score_ranks(windows: Mapping[int, Sequence[StepStats]], *, min_steps: int = 3,
                 noise_frac: float = 0.05) -> dict[int, StragglerScore]:
     """Score every rank with at least ``min_steps`` statistics in its window.
@@ -56,41 +83,41 @@ def score_ranks(windows: Mapping[int, Sequence[StepStats]], *, min_steps: int = 
     ``noise_frac`` is the excess below which data/compute differences are treated as jitter
     when deciding whether communication may be blamed. Needs two ranks or more; fewer gives {}.
     """
-    medians: dict[int, tuple[float, float, float, float, int]] = {}
-    for rank, window in windows.items():
-        if len(window) < min_steps:
-            continue
-        medians[rank] = (statistics.median(s.data_wait_s for s in window),
-                         statistics.median(s.compute_s for s in window),
-                         statistics.median(s.comm_wait_s for s in window),
-                         statistics.median(s.total_s for s in window),
-                         len(window))
+    return score_summaries({r: summarize(w) for r, w in windows.items()}, min_steps=min_steps,
+                           noise_frac=noise_frac)
+
+
+def score_summaries(summaries: Mapping[int, TimingSummary], *, min_steps: int = 3,
+                    noise_frac: float = 0.05) -> dict[int, StragglerScore]:
+    """:func:`score_ranks` on precomputed window medians (O(ranks) per round)."""
+    medians = {r: s for r, s in summaries.items() if s.num_steps >= min_steps}
     if len(medians) < 2:
         return {}
     values = list(medians.values())
-    ref_data = statistics.median_low(v[0] for v in values)
-    ref_compute = statistics.median_low(v[1] for v in values)
-    ref_comm = statistics.median_low(v[2] for v in values)
-    step_s = statistics.median(v[3] for v in values)
+    ref_data = statistics.median_low([v.data_wait_s for v in values])
+    ref_compute = statistics.median_low([v.compute_s for v in values])
+    ref_comm = statistics.median_low([v.comm_wait_s for v in values])
+    step_s = statistics.median([v.total_s for v in values])
     if step_s <= 0:
         return {}
 
     own: dict[int, tuple[float, Cause]] = {}
-    for rank, (data, compute, _comm, _total, _n) in medians.items():
-        excess_data = (data - ref_data) / step_s
-        excess_compute = (compute - ref_compute) / step_s
+    for rank, m in medians.items():
+        excess_data = (m.data_wait_s - ref_data) / step_s
+        excess_compute = (m.compute_s - ref_compute) / step_s
         own[rank] = ((excess_data, Cause.DATA) if excess_data > excess_compute
                      else (excess_compute, Cause.COMPUTE))
     someone_slow = any(excess > noise_frac for excess, _ in own.values())
 
     scores: dict[int, StragglerScore] = {}
-    for rank, (data, compute, comm, _total, n) in medians.items():
+    for rank, m in medians.items():
         excess, cause = own[rank]
         if not someone_slow:
-            excess_comm = (comm - ref_comm) / step_s
+            excess_comm = (m.comm_wait_s - ref_comm) / step_s
             if excess_comm > excess:
                 excess, cause = excess_comm, Cause.COMMUNICATION
         if excess <= 0:
             excess, cause = 0.0, Cause.UNKNOWN
-        scores[rank] = StragglerScore(rank, excess, cause, data, compute, comm, step_s, n)
+        scores[rank] = StragglerScore(rank, excess, cause, m.data_wait_s, m.compute_s,
+                                      m.comm_wait_s, step_s, m.num_steps)
     return scores
