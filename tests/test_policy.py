@@ -217,3 +217,18 @@ def test_pacing_on_and_off_when_enabled():
     assert not off.state.pacing
     # pacing is off by default: the same hot view releases only
     assert [d.action for d in _decide(hot).decisions] == [Action.RELEASE_CACHE]
+
+
+@pytest.mark.parametrize("name,ranks,expected", STRAGGLER_CASES[:2],
+                         ids=[c[0] for c in STRAGGLER_CASES[:2]])
+def test_scores_agree_with_the_gates_cross_rank_attribution(name, ranks, expected):
+    """The coordinator scores ranks in O(ranks) from per-report medians; the step gate's
+    attribute_across_ranks (O(ranks^2)) must name the same compute/data stragglers."""
+    from raytrain_guard.core.gate import RankRole, attribute_across_ranks
+    windows = {r: window(r, **kw) for r, kw in ranks.items()}
+    gate = {a.world_rank: a.role for a in attribute_across_ranks(list(windows.values()),
+                                                                 straggler_frac=CFG.straggler_frac)}
+    ours = score_ranks(windows)
+    role = {Cause.COMPUTE: RankRole.STRAGGLER_COMPUTE, Cause.DATA: RankRole.STRAGGLER_DATA}
+    assert {r: role[s.cause] for r, s in ours.items() if s.excess_frac >= CFG.straggler_frac} \
+        == {r: g for r, g in gate.items() if g.name.startswith("STRAGGLER")}

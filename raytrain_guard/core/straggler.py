@@ -10,6 +10,11 @@ with two ranks it is the faster one, and with many ranks it is a typical healthy
 as fewer than half are slow. Communication is attributed only when no rank is slow in data or
 compute: otherwise a high communication wait is the symptom of waiting for the straggler.
 
+The step gate's ``core.gate.attribute_across_ranks`` names the same stragglers (a test checks
+it) but compares each rank with the median of all *others*, O(ranks^2): 0.3 s for 1024 ranks
+here. The coordinator instead summarizes each rank's window once per report
+(:func:`summarize`) and scores the summaries in O(ranks) (:func:`score_summaries`).
+
 Worked example (4 ranks, every step 1.0 s, medians over each rank's window)::
 
     rank  data  compute  comm      reference (median_low): data 0.05, compute 0.5, comm 0.45
