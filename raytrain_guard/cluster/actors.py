@@ -114,7 +114,13 @@ class _MonitorActor(NodeMonitor):
     def __init__(self, node_id: str, config: GuardConfig, namespace: str, run_id: str,
                  probe_factory: ProbeFactory | None) -> None:
         from raytrain_guard.cluster.metrics import NodeMetrics
-        gpu_probe, host_probe = probe_factory(node_id) if probe_factory else (None, None)
+        gpu_probe, host_probe = None, None
+        if probe_factory is not None:
+            try:
+                gpu_probe, host_probe = probe_factory(node_id)
+            except Exception as exc:  # noqa: BLE001 - fail open: the real probes instead
+                logger.warning("[node %s] probe_factory failed (%r); using the real probes",
+                               node_id[:12], exc)
         try:
             metrics = NodeMetrics()
         except Exception as exc:  # noqa: BLE001 - fail open: monitor without metrics
