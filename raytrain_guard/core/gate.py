@@ -197,14 +197,14 @@ class StepGate:
         self._num_seen += 1
         if self._num_seen <= cfg.slow_step_warmup_steps:
             return []
-        threshold_s, rule = self._threshold(stats)
+        threshold_s = self._threshold_s()
         decisions: list[Decision] = []
         if threshold_s is not None and stats.total_s > threshold_s:
             self._run.append(stats)
             if len(self._run) >= cfg.num_slow_steps and not self._run_reported:
                 self._run_reported = True
-                decisions.append(self._slow_step_decision(stats, threshold_s, rule))
-        else:
+                decisions.append(self._slow_step_decision(stats, threshold_s))
+        elif self._run:
             self._run.clear()
             self._run_reported = False
         self._push_window(stats)
@@ -222,21 +222,23 @@ class StepGate:
         mid = n // 2
         return totals[mid] if n % 2 else (totals[mid - 1] + totals[mid]) / 2
 
-    def _threshold(self, stats: StepStats) -> tuple[float | None, str]:
-        """The slow-step threshold for this step: the lower of the set rules."""
-        cfg = self.config
-        candidates: list[tuple[float, str]] = []
-        if cfg.slow_step_abs_s is not None:
-            candidates.append((cfg.slow_step_abs_s, f"absolute {cfg.slow_step_abs_s:g} s"))
-        if len(self._window) >= _MIN_MEDIAN_POINTS:
-            median_s = self._median_total_s()
-            candidates.append((cfg.slow_step_factor * median_s,
-                               f"{cfg.slow_step_factor:g} x recent median {median_s:.4f} s"))
-        if not candidates:
-            return None, ""
-        return min(candidates)
+    def _threshold_s(self) -> float | None:
+        """The slow-step threshold for the next step: the lower of the rules that apply."""
+        absolute = self.config.slow_step_abs_s
+        if len(self._window) < _MIN_MEDIAN_POINTS:
+            return absolute
+        relative = self.config.slow_step_factor * self._median_total_s()
+        return relative if absolute is None else min(absolute, relative)
 
-    def _slow_step_decision(self, stats: StepStats, threshold_s: float, rule: str) -> Decision:
+    def _rule_text(self, threshold_s: float) -> str:
+        cfg = self.config
+        if cfg.slow_step_abs_s is not None and threshold_s == cfg.slow_step_abs_s:
+            return f"absolute {cfg.slow_step_abs_s:g} s"
+        median_s = threshold_s / cfg.slow_step_factor
+        return f"{cfg.slow_step_factor:g} x recent median {median_s:.4f} s"
+
+    def _slow_step_decision(self, stats: StepStats, threshold_s: float) -> Decision:
+        rule = self._rule_text(threshold_s)
         run_steps = {s.step for s in self._run}
         baseline = [s for s in self._window if s.step not in run_steps]
         cause, detail = attribute_slow_steps(self._run, baseline)
