@@ -495,7 +495,8 @@ def _result(runs, stats, loss_desc, mode, precision, optimizer, errors, elapsed)
     phase = next(ph for ph, s in snaps if s["total"] == peak_snap["total"])
     breakdown = {k: v for k, v in peak_snap.items() if k != "total"}
     notes = [f"traced under {'FakeTensorMode' if mode == 'fake' else 'the meta device'} "
-             f"with MemTracker at micro-batches {b1} and {b2}",
+             f"with MemTracker at micro-batches {b1} and {b2}, precision {precision.value} "
+             f"(plan at the same precision)",
              f"loss: {loss_desc}",
              f"activations(b) = {fixed} + {per_sample:.1f} * b bytes "
              f"(backward-side peak less params, buffers, optimizer state)"]

@@ -180,3 +180,30 @@ def test_bad_module_attr(spec, problem):
 def test_unknown_precision_is_an_input_error():
     with pytest.raises(TraceError, match="precision"):
         trace_model("examples.models:mlp", "examples.models:mlp_batch", precision="fp8")
+
+
+def test_trace_allocates_no_model_memory():
+    """A 0.3 B-parameter model (3.9 GiB of fp32 params + grads + AdamW state for real) traces in
+    a child process whose whole peak RSS stays under 1 GiB."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    child = (
+        "import json, functools, resource\n"
+        "from examples import models\n"
+        "from raytrain_guard.trace import trace_model\n"
+        "build = functools.partial(models.TinyGPT, vocab=50304, hidden=2048, heads=16,\n"
+        "                          layers=2, max_seq=256, sdpa=True)\n"
+        "r = trace_model(build, lambda batch_size=1: models.torch.randint(0, 50304, "
+        "(batch_size, 256)), micro_batches=(1, 2))\n"
+        "print(json.dumps([r.model_stats.num_params, r.peak_bytes,\n"
+        "                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", child], cwd=root, capture_output=True, text=True,
+                         check=True, env=dict(os.environ, PYTHONPATH=root))
+    params, peak, maxrss_kib = json.loads(out.stdout.strip().splitlines()[-1])
+    assert params > 0.2e9
+    assert peak > 16 * params  # the traced step needs params + grads + AdamW state at least
+    assert maxrss_kib * 1024 < 1024**3  # ru_maxrss is in KiB on Linux

@@ -14,6 +14,8 @@ and :func:`estimate` computes each and keeps the largest:
     Inside ``optimizer.step()``: all gradients exist, activations are freed, and the optimizer
     makes temporaries (foreach Adam: one state-dtype copy of the parameters it updates;
     single-tensor Adam: two copies of the largest parameter).
+    A traced profile fits everything alive at the trace's forward/backward-side peak, so for a
+    model whose peak is at the end of forward (a frozen backbone) "backward" names that moment.
 ``rebuild``
     DDP only (world size > 1): at the start of the second iteration DDP rebuilds its gradient
     buckets, and old and new buckets coexist briefly.
