@@ -7,7 +7,8 @@ never synchronize a device, so they may run every step.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

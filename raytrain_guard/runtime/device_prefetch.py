@@ -17,7 +17,8 @@ keeps ``depth`` of them ready, which is harmless and keeps the same behaviour to
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ class DevicePrefetcher:
                 break
             self._ready.append(self._move(batch))
 
-    def __iter__(self) -> "DevicePrefetcher":
+    def __iter__(self) -> DevicePrefetcher:
         return self
 
     def __next__(self) -> Any:

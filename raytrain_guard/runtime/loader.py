@@ -38,7 +38,8 @@ import math
 import os
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, default_collate
@@ -238,9 +239,9 @@ class GuardedDataLoader:
         host_bytes = max(workers, 1) * max(prefetch, 1) * per_batch
         warnings = plan.warnings
         if host_bytes > plan.budget_bytes:
-            warnings += (f"{workers} workers x prefetch {prefetch} x {format_bytes(per_batch)} = "
-                         f"{format_bytes(host_bytes)} exceed the host prefetch budget of "
-                         f"{format_bytes(plan.budget_bytes)}",)
+            warnings += ((f"{workers} workers x prefetch {prefetch} x {format_bytes(per_batch)} "
+                          f"= {format_bytes(host_bytes)} exceed the host prefetch budget of "
+                          f"{format_bytes(plan.budget_bytes)}"),)
         return dataclasses.replace(plan, num_workers=workers, prefetch_factor=prefetch,
                                    host_bytes=host_bytes, reason=why, warnings=warnings)
 
@@ -361,11 +362,9 @@ class GuardedDataLoader:
             nbytes = batch_nbytes(batch)
             self.last_data_wait_s = wait
             self.last_batch_bytes = nbytes
-            if nbytes > self._max_batch_bytes:
-                self._max_batch_bytes = nbytes
+            self._max_batch_bytes = max(self._max_batch_bytes, nbytes)
             self._wait_total_s += wait
-            if wait > self._wait_max_s:
-                self._wait_max_s = wait
+            self._wait_max_s = max(self._wait_max_s, wait)
             self._wall_total_s += now - last
             last = now
             self._num_batches += 1
@@ -538,10 +537,10 @@ class GuardedDataLoader:
         self._generation += 1
         self._close_torch_loader()
 
-    def __enter__(self) -> "GuardedDataLoader":
+    def __enter__(self) -> GuardedDataLoader:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -22,7 +22,7 @@ Skipping happens on the index list (integers), never by loading and discarding s
 
 from __future__ import annotations
 
-from typing import Iterator, Sized
+from collections.abc import Iterator, Sized
 
 import torch
 from torch.utils.data import DistributedSampler

@@ -17,8 +17,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 from raytrain_guard.units import format_bytes
 
