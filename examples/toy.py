@@ -42,7 +42,7 @@ class ToyDataset(Dataset):
                  delay_s: float = 0.0) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.x = torch.randn(num_samples, dim, generator=gen)
-        w = torch.randn(dim, 1, generator=gen)
+        w = torch.randn(dim, 1, generator=gen) / dim ** 0.5     # targets of unit variance
         self.y = self.x @ w + 0.1 * torch.randn(num_samples, 1, generator=gen)
         self.delay_s = delay_s
 
@@ -62,7 +62,7 @@ def make_dataset(num_samples: int = 256, dim: int = DIM, delay_s: float = 0.0,
     return ToyDataset(num_samples, dim, delay_s=delay_s if slow else 0.0)
 
 
-def make_optimizer(params, lr: float = 0.05) -> torch.optim.Optimizer:
+def make_optimizer(params, lr: float = 0.02) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 

@@ -71,6 +71,9 @@ def test_factories_resolve_from_strings():
     assert cfg.every_checkpoint == 3
     assert LoopConfig.from_dict({**BASE, "checkpoint_every_steps": None}).every_checkpoint == \
         GuardConfig().checkpoint_every_steps
+    # the stop agreement defaults to the lockstep cadence (10), 1 only when asked
+    assert LoopConfig.from_dict(BASE).every_stop_check == GuardConfig().lockstep_every_steps == 10
+    assert LoopConfig.from_dict({**BASE, "stop_check_every_steps": 1}).every_stop_check == 1
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -219,7 +222,7 @@ def fsdp_memory(ray_instance, tmp_path_factory):
     # Rank 1's memory: 0.89 of its 1.5 GiB budget at step 2 (watermark 0.88: release cache),
     # 0.95 at step 4 (critical 0.90: checkpoint and stop). Budget: 1.5 GiB of RSS. The trend
     # prediction is off (memory_predict_steps=0) so the jump to 0.89 does not escalate alone.
-    config = {**BASE, "strategy": "fsdp-full", "epochs": 4,
+    config = {**BASE, "strategy": "fsdp-full", "epochs": 4, "stop_check_every_steps": 1,
               "guard": {"cpu_memory_budget_bytes": 3 * 2**29, "memory_predict_steps": 0},
               "faults": {"memory": [{"rank": 1, "step": 2, "frac": 0.89},
                                     {"rank": 1, "step": 4, "frac": 0.95}]}}

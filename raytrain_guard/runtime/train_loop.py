@@ -23,7 +23,7 @@ step gate every step; checkpoints every ``checkpoint_every_steps`` through
 ``ray.train.report(checkpoint=...)`` (all ranks report, rank 0 writes); resumes from
 ``ray.train.get_checkpoint()`` at the same step and the same next sample; and stops cleanly on
 a ``CHECKPOINT_AND_STOP`` once every rank agrees (one 4-byte allreduce of a stop flag every
-``stop_check_every_steps`` steps).
+``stop_check_every_steps`` steps, default ``GuardConfig.lockstep_every_steps``).
 
 Seam for the cluster layer: ``decision_source`` (an object with ``poll(step, stats) ->
 list[Decision]``) is called on every rank at every step boundary; each decision it returns is
@@ -75,7 +75,7 @@ class LoopConfig:
     bucket_cap_mb: float | None = None           # None: recommended from gradients + curve
     gradient_as_bucket_view: bool = False
     measure_bandwidth: bool = True
-    stop_check_every_steps: int = 1
+    stop_check_every_steps: int | None = None    # None: guard.lockstep_every_steps
     num_workers: int | None = None               # DataLoader workers; None: the guard sizes
     guard: GuardConfig = field(default_factory=GuardConfig)
     decision_source: Any = None
@@ -102,11 +102,11 @@ class LoopConfig:
                 raise InputError(f"train_loop_config[{name!r}]", "missing",
                                  fix="pass a 'module:attr' string or a callable")
             values[name] = resolve_callable(values[name], field_name=name)
-        for name, lo in (("micro_batch", 1), ("grad_accum", 1), ("epochs", 1), ("seed", 0),
-                         ("stop_check_every_steps", 1)):
+        for name, lo in (("micro_batch", 1), ("grad_accum", 1), ("epochs", 1), ("seed", 0)):
             if name in values:
                 values[name] = _as_int(name, values[name], lo)
-        for name in ("max_steps", "checkpoint_every_steps", "num_workers"):
+        for name in ("max_steps", "checkpoint_every_steps", "num_workers",
+                     "stop_check_every_steps"):
             if values.get(name) is not None:
                 values[name] = _as_int(name, values[name], 0 if name == "num_workers" else 1)
         if "strategy" in values:
@@ -132,6 +132,14 @@ class LoopConfig:
     @property
     def every_checkpoint(self) -> int:
         return self.checkpoint_every_steps or self.guard.checkpoint_every_steps
+
+    @property
+    def every_stop_check(self) -> int:
+        """Steps between stop agreements. Default ``guard.lockstep_every_steps``: the 4-byte
+        all_reduce costs about 2 ms per call on gloo on a 2-core box (benchmarks/
+        stop_flag_cost.py), half a toy step; a rank that hits critical memory then waits at
+        most K - 1 steps for the others."""
+        return self.stop_check_every_steps or self.guard.lockstep_every_steps
 
 
 def resolve_callable(value: Any, *, field_name: str) -> Callable[..., Any]:
@@ -451,7 +459,7 @@ class GuardedTrainLoop:
         if stop:
             self.stop_reason = next(d.reason for d in due
                                     if d.action is Action.CHECKPOINT_AND_STOP)
-        elif step % cfg.stop_check_every_steps == 0:
+        elif step % cfg.every_stop_check == 0:
             if self._agree(self._local_stop is not None):
                 stop = True
                 self.stop_reason = (self._local_stop.reason if self._local_stop is not None
