@@ -208,6 +208,33 @@ def test_resume_with_another_world_size_covers_the_rest_once(loaders):
     assert sorted(consumed + rest) == list(range(n))  # 30 left, 30 % 3 == 0: no padding
 
 
+def test_state_saved_after_the_last_batch_resumes_at_the_next_epoch(loaders):
+    loader = loaders(IndexDataset(12), 4, seed=6)
+    it = iter(loader)
+    for _ in range(len(loader)):
+        next(it)                                    # the last batch taken, no StopIteration yet
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches_consumed"]) == (0, 3)
+    resumed = loaders(IndexDataset(12), 4, seed=6)
+    resumed.load_state_dict(state)
+    reference = loaders(IndexDataset(12), 4, seed=6)
+    epoch_of(reference)
+    assert epoch_of(resumed) == epoch_of(reference)   # both deliver epoch 1 in full
+    assert resumed.epoch == reference.epoch == 2
+
+
+@pytest.mark.parametrize("total,available,limit,usage,expected", [
+    (64, 40, None, None, (64, 40)),      # no cgroup limit
+    (64, 40, 128, 10, (64, 40)),         # limit above the machine: the machine counts
+    (64, 40, 16, 10, (16, 6)),           # 16 GiB container with 10 used: 6 available
+    (64, 4, 16, 2, (16, 4)),             # the machine is the tighter one
+])
+def test_host_memory_is_narrowed_to_the_cgroup(total, available, limit, usage, expected):
+    from raytrain_guard.runtime.loader import within_cgroup
+
+    assert within_cgroup(total, available, limit, usage) == expected
+
+
 def test_breaking_out_and_iterating_again_continues_the_epoch(loaders):
     loader = loaders(IndexDataset(30), 3, seed=9)
     full = epoch_of(loaders(IndexDataset(30), 3, seed=9))

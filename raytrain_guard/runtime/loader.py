@@ -68,11 +68,41 @@ HostProbe = Callable[[], "tuple[int, int]"]   # () -> (total bytes, available by
 
 
 def psutil_host_memory() -> tuple[int, int]:
-    """Host RAM (total, available) from psutil."""
+    """Host RAM (total, available) from psutil, narrowed to the container's cgroup limit.
+
+    In a container psutil reports the machine's RAM; the memory this process may use is the
+    cgroup's limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) minus its usage.
+    """
     import psutil
 
     vm = psutil.virtual_memory()
-    return int(vm.total), int(vm.available)
+    return within_cgroup(int(vm.total), int(vm.available), *_read_cgroup_memory())
+
+
+def within_cgroup(total: int, available: int, limit: int | None,
+                  usage: int | None) -> tuple[int, int]:
+    """(total, available) of the host, narrowed to a cgroup ``limit`` with ``usage`` in it."""
+    if limit is None or limit <= 0 or limit >= total:
+        return total, available
+    free_in_cgroup = max(0, limit - (usage or 0))
+    return limit, min(available, free_in_cgroup)
+
+
+def _read_cgroup_memory() -> tuple[int | None, int | None]:
+    for limit_path, usage_path in (
+            ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+            ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+             "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as fh:
+                text = fh.read().strip()
+            if text == "max":
+                return None, None
+            with open(usage_path) as fh:
+                return int(text), int(fh.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None, None
 
 
 class GuardedDataLoader:
