@@ -464,6 +464,22 @@ def test_inconsistent_batch_type_is_caught_from_the_first_batches(loaders):
         epoch_of(loader)
 
 
+class Labelled:
+    """Sample i: {"x": 4 floats, "name": a string}; strings collate to a list per batch."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": torch.full((4,), float(i)), "name": f"item{i}"}
+
+
+def test_string_fields_and_a_short_last_batch_are_consistent(loaders):
+    loader = loaders(Labelled(), 4, num_workers=0)        # batches of 4, 4 and 2
+    names = [n for batch in loader for n in batch["name"]]
+    assert sorted(names) == sorted(f"item{i}" for i in range(10))
+
+
 def test_state_dict_from_another_dataset_is_refused(loaders):
     loader = loaders(IndexDataset(10), 2)
     with pytest.raises(InputError, match="num_samples"):

@@ -37,6 +37,11 @@ def batch_signature(batch: Any, *, shapes: bool = True) -> Any:
     if isinstance(batch, dict):
         return ("dict", tuple((k, batch_signature(v, shapes=shapes)) for k, v in batch.items()))
     if isinstance(batch, (list, tuple)):
+        if batch and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
+            # one plain value per sample (default_collate keeps strings as a list): its length
+            # is the batch size, so only the element types count
+            return (type(batch).__name__, "per-sample", tuple(sorted({type(v).__name__
+                                                                      for v in batch})))
         return (type(batch).__name__, tuple(batch_signature(v, shapes=shapes) for v in batch))
     return (type(batch).__name__,)
 
