@@ -276,6 +276,13 @@ def test_prefetch_factor_and_persistent_workers_reach_torch(loaders):
     assert loader.worker_pids() == pids              # persistent: the same processes
 
 
+def test_given_num_workers_gets_the_prefetch_that_fits(loaders):
+    loader = loaders(VectorDataset(64, 1024), 16, num_workers=5, host_memory_bytes=16 * MiB)
+    # batch 16 x 4 KiB = 65536 B; budget 5 % x 16 MiB = 838860 B; 838860 // (5 x 65536) = 2
+    assert (loader.plan.num_workers, loader.plan.prefetch_factor) == (5, 2)
+    assert loader.plan.host_bytes == 5 * 2 * 65536 <= loader.plan.budget_bytes
+
+
 def test_given_prefetch_factor_is_kept(loaders):
     loader = loaders(IndexDataset(32), 4, num_workers=2, prefetch_factor=3,
                      persistent_workers=False)

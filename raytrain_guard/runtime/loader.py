@@ -253,10 +253,13 @@ class GuardedDataLoader:
                                cpus_per_node=self._cpus_per_node, pin_memory=self._pin_memory,
                                config=self.config, list_backed_dataset=self._list_backed)
         workers, prefetch, why = plan.num_workers, plan.prefetch_factor, pressure + plan.reason
+        per_batch = batch_bytes * (2 if self._pin_memory else 1)
         if self._user_num_workers is not None and self._user_num_workers != workers:
             workers = self._user_num_workers
-            why += f"; num_workers {workers} as given"
-            prefetch = prefetch or 2
+            # the rule's prefetch for the given workers: the largest that fits the budget
+            prefetch = max(1, min(self.config.max_prefetch_factor,
+                                  plan.budget_bytes // (max(workers, 1) * per_batch)))
+            why += f"; num_workers {workers} as given, prefetch_factor {prefetch} to fit"
         if self._user_prefetch_factor is not None and workers:
             prefetch = self._user_prefetch_factor
             why += f"; prefetch_factor {prefetch} as given"
@@ -265,7 +268,6 @@ class GuardedDataLoader:
             why += f"; prefetch_factor capped at {prefetch} by request"
         if not workers:
             prefetch = 0
-        per_batch = batch_bytes * (2 if self._pin_memory else 1)
         host_bytes = max(workers, 1) * max(prefetch, 1) * per_batch
         warnings = plan.warnings
         if host_bytes > plan.budget_bytes:
