@@ -95,8 +95,10 @@ class StepGate:
         cfg = self.config
         frac = float(memory_frac)
         self._memory.append(frac)
-        where = f"rank {world_rank} step {step}"
         rearm_below = cfg.memory_watermark_frac - cfg.memory_hysteresis_frac
+        if frac < rearm_below and self._armed and not self._pacing:
+            return []                                # the common case: nothing to decide
+        where = f"rank {world_rank} step {step}"
         decisions: list[Decision] = []
         if not self._armed and frac < rearm_below:
             self._armed = True
