@@ -454,29 +454,50 @@ def _categories(snapshot) -> dict[str, int]:
     return out
 
 
+def wrap_units(model) -> list:
+    """The modules one would wrap as FSDP units, the way the planner sizes them.
+
+    A transformer-like model (a direct ``ModuleList``/``Sequential`` child with several
+    elements): each element (block) is a unit. Otherwise each direct child with parameters is a
+    unit (a ``Sequential`` child is split into its elements). The root holds the rest (e.g. tied
+    embeddings and head, which must stay in one unit).
+    """
+    import torch
+
+    lists = [c for c in model.children()
+             if isinstance(c, (torch.nn.ModuleList, torch.nn.Sequential)) and len(c) > 1]
+    if lists and not isinstance(model, torch.nn.Sequential):
+        candidates = [m for c in lists for m in c.children()]
+    else:
+        candidates = []
+        for child in model.children():
+            if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) and len(child) > 1:
+                candidates.extend(child.children())
+            else:
+                candidates.append(child)
+    return [m for m in candidates if any(True for _ in m.parameters())]
+
+
 def model_stats_of(model) -> ModelStats:
     """Parameter facts of an ``nn.Module`` (works on fake and meta tensors).
 
     Tied weights count once (``parameters()`` deduplicates); frozen parameters are not
     trainable; ``param_numels`` lists the trainable ones in reverse registration order (DDP's
-    bucket order); the largest unit is the largest direct child, or the largest element of a
-    direct ``ModuleList``/``Sequential`` child (a transformer block).
+    bucket order); the largest unit is the largest of :func:`wrap_units` and of the root's
+    remaining parameters.
     """
-    import torch
-
     params = list(model.parameters())
     num = sum(p.numel() for p in params)
     trainable = [p for p in params if p.requires_grad]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    units = []
-    for child in model.children():
-        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) and len(child) > 1:
-            units.extend(child.children())
-        else:
-            units.append(child)
-    largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=num) or num
+    sizes, claimed = [], set()
+    for unit in wrap_units(model):
+        unit_params = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in unit_params)
+        sizes.append(sum(p.numel() for p in unit_params))
+    sizes.append(sum(p.numel() for p in params if id(p) not in claimed))  # the root unit
     return ModelStats(num_params=num, num_trainable_params=sum(p.numel() for p in trainable),
-                      buffer_bytes=buffers, largest_unit_params=largest,
+                      buffer_bytes=buffers, largest_unit_params=max(sizes) or num,
                       param_numels=tuple(p.numel() for p in reversed(trainable)),
                       param_bytes_override=sum(p.numel() * p.element_size() for p in params))
 

@@ -207,3 +207,17 @@ def test_trace_allocates_no_model_memory():
     assert params > 0.2e9
     assert peak > 16 * params  # the traced step needs params + grads + AdamW state at least
     assert maxrss_kib * 1024 < 1024**3  # ru_maxrss is in KiB on Linux
+
+
+def test_largest_unit_is_the_root_when_embeddings_outweigh_a_block():
+    from raytrain_guard.trace import model_stats_of, wrap_units
+
+    with torch.device("meta"):
+        model = models.gpt_1b()
+    assert [type(u).__name__ for u in wrap_units(model)] == ["Block"] * 24
+    # block: ln 4096 + qkv 2048*6144 + 6144 + proj 2048^2 + 2048 + ln 4096
+    #        + fc1 2048*8192 + 8192 + fc2 8192*2048 + 2048 = 50358272
+    # root: tok 50304*2048 (the tied head counted once) + pos 1024*2048 + ln_f 4096 = 105123840
+    stats = model_stats_of(model)
+    assert stats.largest_unit_params == 105123840
+    assert stats.num_params == 24 * 50358272 + 105123840
