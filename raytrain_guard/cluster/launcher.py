@@ -207,13 +207,16 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
            resources_per_worker: Mapping[str, float] | None = None,
            placement_strategy: str = "PACK", probe_factory: Any = None,
            progress: Callable[[Mapping[str, Any]], None] | None = None,
-           progress_interval_s: float = 2.0) -> RunSummary:
+           progress_interval_s: float = 2.0,
+           decision_source: Callable[[str, str, Mapping[str, Any]], Any] | None = None
+           ) -> RunSummary:
     """Plan, start the guard's actors, train, tear down, summarize (see the module docstring).
 
     ``plan``: a planner :class:`Plan` to use instead of tracing the model (``False``: skip
     planning). ``config``: the guard's config (also handed to every worker; the train loop's
     own ``guard`` entry, if any, wins there). Ray is initialized (locally, in ``namespace``)
-    unless the caller already did.
+    unless the caller already did. ``decision_source(run_id, namespace, guard) -> source``
+    replaces the default :class:`ClusterDecisionSource` (e.g. a subclass that logs timings).
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -242,13 +245,17 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
         ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False)
     loop_config = dict(train_loop_config)
     loop_config["guard"] = guard
-    loop_config["decision_source"] = ClusterDecisionSource(run_id, namespace, guard)
+    loop_config["decision_source"] = (decision_source or ClusterDecisionSource)(
+        run_id, namespace, guard)
     start = time.perf_counter()
     status: dict[str, Any] = {}
     watcher = None
     try:
-        start_monitors(namespace, run_id, config, probe_factory)
+        # keep the handles: a named, non-detached actor dies with its owner's last handle
+        monitors = start_monitors(namespace, run_id, config, probe_factory)
         coordinator = start_coordinator(namespace, run_id, config)
+        logger.info("run %s: %d node monitor(s) and coordinator started in namespace %r",
+                    run_id, len(monitors), namespace)
         watcher = _ProgressWatcher(coordinator, progress, progress_interval_s)
         watcher.start()
         trainer = TorchTrainer(
@@ -261,7 +268,11 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
                                  failure_config=FailureConfig(max_failures=max_failures)))
         result = trainer.fit()
         watcher.stop()
-        status = watcher.read_now() or watcher.latest or {}
+        status = watcher.read_now() or {}
+        if not status:
+            status = dict(watcher.latest or {}, coordinator_lost=True)
+            logger.warning("run %s: the coordinator did not answer at the end; the summary "
+                           "uses its last status", run_id)
     finally:
         if watcher is not None:
             watcher.stop()
@@ -300,6 +311,9 @@ def summarize(run_id: str, results: Mapping[str, Any], status: Mapping[str, Any]
                   if a.get("role") not in (None, "normal")]
     detections += [f"straggler node {n}" for n in status.get("straggler_nodes") or []]
     detections += list(status.get("notes") or [])
+    if status.get("coordinator_lost"):
+        detections.append("coordinator unreachable at the end of the run (training went on "
+                          "under the local gate); step times are from its last status")
     return RunSummary(
         run_id=run_id, steps=steps, total_steps=int(results.get("total_steps", steps)),
         world_size=world, global_batch=global_batch, wall_s=round(wall_s, 3),
@@ -336,7 +350,8 @@ def merge_applied(decisions: Any) -> list[dict[str, Any]]:
 
 
 class _ProgressWatcher:
-    """Reads the coordinator's status every ``interval_s`` on a thread; hands it to ``progress``.
+    """Reads the coordinator's status every ``interval_s`` on a thread (kept in ``latest``, for
+    the summary should the coordinator die) and hands it to ``progress`` when given.
 
     :meth:`read_now` is the one method that touches ``ray.get`` (with a timeout).
     """
@@ -351,8 +366,6 @@ class _ProgressWatcher:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        if self.progress is None:
-            return
         self._thread = threading.Thread(target=self._loop, name="raytrain_guard-progress",
                                         daemon=True)
         self._thread.start()

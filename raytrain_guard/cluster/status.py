@@ -46,7 +46,21 @@ def enable_token_auth_if_token_exists(environ: MutableMapping[str, str] | None =
         home / ".ray" / "auth_token").is_file()
     if has_token:
         env["RAY_AUTH_MODE"] = "token"
+        if environ is None:
+            _refresh_ray_auth_config()
     return has_token
+
+
+def _refresh_ray_auth_config() -> None:
+    """Ray reads RAY_AUTH_MODE into a cached config when imported; re-read it if it was."""
+    import sys
+    if "ray._raylet" not in sys.modules:
+        return
+    try:
+        from ray._raylet import Config   # private; what Ray itself calls after setting the mode
+        Config.initialize("")
+    except Exception as exc:  # noqa: BLE001 - feature check: older/newer Ray
+        logger.debug("could not refresh Ray's auth config: %r", exc)
 
 
 def choose_coordinator(names: list[str], run_id: str | None, namespace: str) -> str:
@@ -77,9 +91,9 @@ def _choices(runs: list[str]) -> str:
 def read_status(address: str | None, namespace: str, run_id: str | None = None,
                 timeout_s: float = 15.0) -> dict[str, Any]:
     """Connect, find the coordinator, return its ``status()`` (the one function using ray.get)."""
+    enable_token_auth_if_token_exists()       # before Ray reads its config
     import ray
 
-    enable_token_auth_if_token_exists()
     ray.init(address=address or "auto", namespace=namespace, logging_level=logging.WARNING,
              log_to_driver=False, ignore_reinit_error=True)
     try:
