@@ -123,3 +123,77 @@ def test_cuda_events_come_back_a_step_later():
     done = [s for s in got if s is not None]
     assert done and done[0].step == 0 and done[0].forward_s > 0
     assert [s.step for s in done] == sorted(s.step for s in done)
+
+
+def test_comm_timer_wraps_a_given_hook(tmp_path):
+    # One-process gloo group: DDP still runs its hook on every bucket. A counting hook around
+    # fp16 compression shows the given hook is the one called, and the stats come back.
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raytrain_guard.runtime.timing import attach_comm_timer
+
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return fp16_compress_hook(state, bucket)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+                    bucket_cap_mb=0.01)
+        timer = StepTimer()
+        attach_comm_timer(model, timer, hook=counting_hook)
+        for step in range(3):
+            timer.begin_step(step)
+            model(torch.randn(8, 64)).sum().backward()
+            timer.mark("backward")
+            stats = timer.finish_step(step)
+            assert stats.comm_wait_s >= 0.0 and stats.backward_s >= 0.0
+        assert len(calls) >= 3 and stats.step == 2
+        with pytest.raises(InputError, match="register_comm_hook"):
+            attach_comm_timer(torch.nn.Linear(2, 2), timer)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_comm_wait_is_the_late_completion_after_the_last_bucket(tmp_path):
+    # A hook whose last bucket's future completes 50 ms after it was launched (a slow link):
+    # DDP's backward waits for it, comm_wait_s reads about 50 ms and backward_s excludes it.
+    torch = pytest.importorskip("torch")
+    import threading
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from raytrain_guard.runtime.timing import attach_comm_timer
+
+    def slow_last_bucket(state, bucket):
+        fut = torch.futures.Future()
+        buf = bucket.buffer()
+        if bucket.is_last():
+            threading.Timer(0.05, fut.set_result, args=(buf,)).start()
+        else:
+            fut.set_result(buf)
+        return fut
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        model = DDP(torch.nn.Linear(64, 64))
+        timer = StepTimer()
+        attach_comm_timer(model, timer, hook=slow_last_bucket)
+        got = []
+        for step in range(3):
+            timer.begin_step(step)
+            model(torch.randn(8, 64)).sum().backward()
+            timer.mark("backward")
+            got.append(timer.finish_step(step))
+        for stats in got:
+            assert 0.045 <= stats.comm_wait_s < 1.0, stats
+            # Counted once: were the wait left in backward_s, the two would exceed the step.
+            assert stats.backward_s + stats.comm_wait_s <= stats.total_s, stats
+    finally:
+        dist.destroy_process_group()
