@@ -154,6 +154,23 @@ def test_ballast_over_a_cpu_budget_triggers_watermark_and_stop():
     assert stats[3].memory_frac >= 0.90 and stats[5].memory_frac < 0.85
 
 
+def test_fill_to_reaches_the_fraction():
+    # Budget = RSS / 0.5, fill to 0.8: about 0.3 x budget of ballast; the probe then reads
+    # 0.8 give or take what else the process allocated meanwhile.
+    rss = ProcessMemoryProbe(budget_bytes=1).read().used_bytes
+    probe = ProcessMemoryProbe(budget_bytes=int(rss / 0.5))
+    inj = FaultInjector()
+    added = inj.fill_to(probe, 0.8)
+    try:
+        assert added == inj.ballast_bytes > 0
+        assert 0.75 <= probe.read().frac <= 0.85
+        assert inj.fill_to(probe, 0.5) == 0            # already above: nothing more
+    finally:
+        inj.release_ballast()
+    with pytest.raises(InputError, match="frac"):
+        inj.fill_to(probe, 0)
+
+
 def test_pacing_sleeps_before_steps_only_when_enabled():
     fracs = [0.80, 0.89, 0.89, 0.84, 0.84]
     for enabled, expected in ((False, []), (True, [0.05, 0.05])):

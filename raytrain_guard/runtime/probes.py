@@ -255,6 +255,19 @@ class FaultInjector:
         else:
             self._ballast.append(bytearray(b"\x01") * num_bytes)   # written: resident pages
 
+    def fill_to(self, probe: Any, frac: float, *, device: Any = "cpu") -> int:
+        """Allocate ballast until ``probe`` reads about ``frac`` of its total (nothing when it
+        reads that much already). Returns the bytes allocated."""
+        if not 0 < frac < 1.5:
+            raise InputError("frac", "must be in (0, 1.5)", value=frac,
+                             fix="pass a fraction of the probe's total, e.g. 0.95")
+        reading = probe.read()
+        missing = int(frac * reading.total_bytes) - max(reading.used_bytes,
+                                                        reading.reserved_bytes)
+        if missing > 0:
+            self.allocate_ballast(missing, device=device)
+        return max(0, missing)
+
     def release_ballast(self) -> None:
         """Drop every ballast allocation."""
         self._ballast.clear()

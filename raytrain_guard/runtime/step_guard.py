@@ -47,7 +47,8 @@ class StepGuard:
     ``timer``: defaults to a host-clock :class:`StepTimer`. ``clock``: the gate's clock.
     ``on_decision``: called with every decision after it was applied locally.
     ``fault_injector``: a :class:`~raytrain_guard.runtime.probes.FaultInjector` whose delays
-    run before the matching :meth:`mark`. ``sleep``: used for pacing (tests pass a fake).
+    run before the matching :meth:`mark` (fixed at construction: without one, :meth:`mark` is
+    the timer's own). ``sleep``: used for pacing (tests pass a fake).
     """
 
     def __init__(self, config: GuardConfig, *, probe: Any = None, timer: StepTimer | None = None,
