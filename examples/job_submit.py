@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--gpu", action="store_true", help="one GPU per worker (nccl)")
+    parser.add_argument("--gpu-mem", default=None,
+                        help="memory of one GPU, e.g. 80GiB: plan against it (with --gpu)")
+    parser.add_argument("--storage-path", default=None,
+                        help="Ray Train storage (shared, e.g. s3://..., on a multi-node cluster)")
     parser.add_argument("--namespace", default="raytrain_guard")
     parser.add_argument("--summary-json", default=None, help="also write the summary here")
     args = parser.parse_args(argv)
@@ -45,8 +49,14 @@ def main(argv: list[str] | None = None) -> int:
               "optimizer_factory": toy.make_optimizer, "loss_fn": toy.loss_fn,
               "micro_batch": 8, "epochs": args.epochs, "num_workers": 0,
               "checkpoint_every_steps": 10_000}
+    from raytrain_guard.units import parse_bytes
+    gpu_mem = parse_bytes(args.gpu_mem, field="--gpu-mem") if args.gpu_mem else None
+    if args.gpu and gpu_mem is None:
+        print("--gpu without --gpu-mem: launching without a capacity plan", flush=True)
     summary = launch(config, num_workers=args.workers, use_gpu=args.gpu,
-                     namespace=args.namespace, plan=False if args.gpu else None,
+                     namespace=args.namespace, device_memory_bytes=gpu_mem,
+                     plan=False if args.gpu and gpu_mem is None else None,
+                     storage_path=args.storage_path,
                      progress=lambda s: print(progress_line(s), flush=True),
                      progress_interval_s=2.0)
     print(summary.format())

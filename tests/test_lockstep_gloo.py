@@ -116,3 +116,36 @@ def test_every_decision_applies_at_one_step_on_all_ranks(tmp_path, seed):
         assert micro * accum * WORLD == global_batch == MICRO0 * ACCUM0 * WORLD
     # the shrinks really happened (the run ends with micro 2 x accum 4)
     assert logs[0]["steps"][-1][1:3] == [2, 4]
+
+
+def _nccl_main(rank: int, port: int, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_guard.cluster.client import agree_on_attempt
+    from raytrain_guard.cluster.lockstep import ProcessGroupExchange
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=1)
+    ex = ProcessGroupExchange()
+    got = {"nothing": ex.exchange(-1, []),
+           "one": ex.exchange(5, [{"action": "release_cache", "reason": "r", "decision_id": 5}]),
+           "attempt": agree_on_attempt(1234, 2)}     # world_size > 1 path: a real all_reduce
+    with open(os.path.join(out_dir, "nccl.json"), "w") as fh:
+        json.dump(got, fh)
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_exchange_on_nccl_puts_its_tensors_on_the_gpu(tmp_path):
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        pytest.skip("needs CUDA and nccl")
+    mp.spawn(_nccl_main, args=(_free_port(), str(tmp_path)), nprocs=1, join=True)
+    got = json.loads((tmp_path / "nccl.json").read_text())
+    assert got["nothing"] == [] and got["one"][0][0]["decision_id"] == 5
+    assert got["attempt"] == 1234
