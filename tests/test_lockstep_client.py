@@ -49,3 +49,14 @@ def test_a_source_without_client_is_plain_lockstep():
     source = LockstepDecisionSource(Lockstep(every_steps=2))
     assert [source.poll(s, None) for s in range(4)] == [[], [], [], []]
     assert source.applied == []
+
+
+def test_cluster_source_that_cannot_start_fails_open_and_pickles_without_state():
+    import pickle
+
+    from raytrain_guard.cluster.client import ClusterDecisionSource
+    source = ClusterDecisionSource("r", "ns", {"no_such_key": 1})   # bad guard config
+    assert source.poll(1, []) == [] and source.poll(2, []) == []    # training goes on
+    assert source.applied == []
+    copy = pickle.loads(pickle.dumps(source))        # what each TorchTrainer worker receives
+    assert copy._source is None and copy.run_id == "r"

@@ -230,17 +230,21 @@ class ClusterDecisionSource:
         self.namespace = namespace
         self.guard = dict(guard or {})
         self.register_with_monitor = register_with_monitor
-        self._source: LockstepDecisionSource | None = None
-        self._failed = False
+        self._source: LockstepDecisionSource | _NoDecisions | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_source"], state["_failed"] = None, False   # built anew in each worker
+        state["_source"] = None            # built anew in each worker
         return state
 
     def poll(self, step: int, stats: Sequence[StepStats] | None = None) -> list[Decision]:
         if self._source is None:
-            self._source = self._build()
+            try:
+                self._source = self._build()
+            except Exception as exc:  # noqa: BLE001 - fail open; the causes are rank-symmetric
+                logger.warning("decision source could not start (%r): no cluster decisions "
+                               "in this run, the local gate still acts", exc)
+                self._source = _NoDecisions()
         return self._source.poll(step, stats)
 
     @property
@@ -271,6 +275,15 @@ class ClusterDecisionSource:
         return LockstepDecisionSource(
             Lockstep(every_steps=config.lockstep_every_steps, exchange=exchange,
                      world_rank=ctx.world_rank), client)
+
+
+class _NoDecisions:
+    """What a decision source that could not start falls back to (on every rank alike)."""
+
+    applied: list[tuple[int, int]] = []
+
+    def poll(self, step: int, stats: Any = None) -> list[Decision]:
+        return []
 
 
 def agree_on_attempt(local_id: int, world_size: int) -> int:

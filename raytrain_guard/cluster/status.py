@@ -136,8 +136,11 @@ def format_status(status: Mapping[str, Any]) -> str:
     lines = [f"coordinator {status.get('coordinator', '?')}"
              + (f"  run {status['run_id']}" if status.get("run_id") else "")
              + (f"  latest step {status['latest_step']}"
-                if status.get("latest_step") is not None else "")]
-    shown = {"coordinator", "run_id", "latest_step", "nodes", "ranks", "stragglers",
+                if status.get("latest_step") is not None else "")
+             + (f"  step p50 {_fmt(status.get('step_p50_s'))} s p99 "
+                f"{_fmt(status.get('step_p99_s'))} s"
+                if status.get("step_p50_s") is not None else "")]
+    shown = {"coordinator", "run_id", "latest_step", "step_p50_s", "step_p99_s", "nodes", "ranks", "stragglers",
              "straggler_scores", "decisions", "active_decisions"}
     nodes = _rows(status.get("nodes"))
     lines.append(f"\nnodes ({len(nodes)})")
