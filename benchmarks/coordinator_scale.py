@@ -13,6 +13,7 @@ tracemalloc and records the traced memory after every round, plus RSS.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import resource
 import statistics
@@ -103,6 +104,7 @@ def run(ranks: int, per_node: int, seconds: int, *, trace: bool):
         round_s.append(t2 - t1)
         del reports, samples
         if trace:
+            gc.collect()
             traced.append(tracemalloc.get_traced_memory()[0])
         rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if trace:

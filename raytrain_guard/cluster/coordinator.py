@@ -63,7 +63,7 @@ class _Rank:
         self.window: deque[StepStats] = deque(maxlen=window_len)
         self.setup = RunSetup()
         self.last_step = -1
-        self.batches: deque[tuple[int, int]] = deque(maxlen=RECENT_BATCHES_KEPT)
+        self.batches: list[tuple[int, int]] = []   # a short list: no deque block churn
         self.num_steps = 0
         self.view: RankView | None = None   # rebuilt per report: summaries off the round
 
@@ -139,6 +139,8 @@ class Coordinator:
                                          f"step {entry.last_step}")
             return
         entry.batches.append(key)
+        if len(entry.batches) > RECENT_BATCHES_KEPT:
+            del entry.batches[0]
         entry.window.extend(batch)
         entry.last_step = steps[-1]
         entry.num_steps += len(batch)
