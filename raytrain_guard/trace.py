@@ -95,7 +95,7 @@ def load_object(spec: str | Callable[..., Any], *, field_name: str) -> Callable[
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's input
         raise TraceError(field_name, f"cannot import module {module_name!r} "
-                         f"({type(exc).__name__}: {exc})", value=spec,
+                         f"({_one_line(exc)})", value=spec,
                          fix="check the module path and that it imports (run it with python "
                              "-c 'import ...'); the working directory must be on sys.path") \
             from None
@@ -132,6 +132,11 @@ def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Ca
     start = clock()
     precision = _coerce(Precision, precision, "precision")
     optimizer = _coerce(OptimizerKind, optimizer, "optimizer")
+    if micro_batches is not None and not (
+            len(micro_batches) == 2 and all(isinstance(b, int) and b > 0 for b in micro_batches)
+            and micro_batches[0] != micro_batches[1]):
+        raise TraceError("micro_batches", "must be two different positive integers",
+                         value=micro_batches, fix="e.g. (1, 2), or leave it out for (b0, 2 b0)")
     build_model = load_object(model_factory, field_name="model")
     build_sample = load_object(sample_factory, field_name="sample")
     loss_fn = load_object(loss, field_name="loss") if loss is not None else None
@@ -170,6 +175,11 @@ def _coerce(cls, value, name):
                          fix="choose one of: " + ", ".join(m.value for m in cls)) from None
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def _name(spec) -> str:
     return spec if isinstance(spec, str) else getattr(spec, "__qualname__", repr(spec))
 
@@ -185,7 +195,7 @@ def _call_factory(fn, field_name: str, spec_name: str, **kwargs):
 
 class _FactoryError(Exception):
     def __init__(self, field_name: str, spec_name: str, exc: BaseException) -> None:
-        super().__init__(f"{type(exc).__name__}: {exc}")
+        super().__init__(_one_line(exc))
         self.field_name, self.spec_name, self.exc = field_name, spec_name, exc
 
 
@@ -245,8 +255,7 @@ def _trace_in_mode(mode, build_model, build_sample, loss_fn, precision, optimize
                              "f()\") and build on whatever device is current") from None
     except Exception as exc:  # noqa: BLE001 - the model cannot run on this device
         where = f"operation {recorder.last}" if recorder.last else "building the model"
-        raise _OpFailure(f"{where} failed: {type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise _OpFailure(f"{where} failed: {_one_line(exc)}") from None
     return runs, stats, desc
 
 

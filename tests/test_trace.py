@@ -221,3 +221,8 @@ def test_largest_unit_is_the_root_when_embeddings_outweigh_a_block():
     stats = model_stats_of(model)
     assert stats.largest_unit_params == 105123840
     assert stats.num_params == 24 * 50358272 + 105123840
+
+
+def test_bad_micro_batches():
+    with pytest.raises(TraceError, match="micro_batches"):
+        trace_model("examples.models:mlp", "examples.models:mlp_batch", micro_batches=(4, 4))
