@@ -164,3 +164,23 @@ def test_background_thread_samples_at_the_interval():
     assert n >= 3 and not mon.info()["sampling"]
     time.sleep(0.15)
     assert len(sent) == n                                   # stopped means stopped
+
+
+@pytest.mark.gpu
+def test_nvml_probe_reads_every_gpu_when_nvml_exists():
+    """Runs where NVML and a GPU exist (skipped here): one reading per device, sane figures."""
+    from raytrain_guard.cluster.node_probes import NvmlGpuProbe
+    try:
+        probe = NvmlGpuProbe()
+    except ProbeError as exc:
+        pytest.skip(f"no NVML here: {exc}")
+    import pynvml
+    gpus = probe.sample()
+    assert len(gpus) == pynvml.nvmlDeviceGetCount() >= 1
+    for g in gpus:
+        assert 0 < g.memory_used_bytes <= g.memory_total_bytes
+        assert g.utilization_frac is None or 0.0 <= g.utilization_frac <= 1.0
+        assert g.temperature_c is None or 0 < g.temperature_c < 120
+        assert set(g.throttle_reasons) <= {"thermal", "power", "slowdown"}
+    mon = NodeMonitor("gpu-node", gpu_probe=probe, host_probe=ScriptedHostProbe([HOST]))
+    assert len(mon.sample()["gpus"]) == len(gpus) and mon.info()["gpu_mode"]
