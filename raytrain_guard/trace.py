@@ -40,6 +40,7 @@ Known MemTracker limits, where they bite (README notes):
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -437,16 +438,32 @@ class _NoHook:
         pass
 
 
-def skip_frozen_grad_hooks(tracker, model) -> None:
+def skip_frozen_grad_hooks(tracker, model=None) -> None:
     """MemTracker (torch 2.13) registers a gradient hook on every parameter and so raises on a
-    frozen one ("cannot register a hook on a tensor that doesn't require gradient"). Mark frozen
-    parameters as already hooked; they never get a gradient, so nothing is lost."""
+    frozen one ("cannot register a hook on a tensor that doesn't require gradient"). Make its
+    hook table answer "already hooked" for every parameter that does not require grad,
+    including parameters created later (FSDP2 swaps in unsharded ones on each forward); they
+    never get a gradient, so nothing is lost. ``model`` is accepted for symmetry and unused."""
     handles = getattr(tracker, "_param_to_grad_hook_handles", None)
-    if handles is None:  # a later torch: let MemTracker do it its own way
-        return
-    for p in model.parameters():
-        if not p.requires_grad:
-            handles[p] = (_NoHook(), _NoHook())
+    cls = _frozen_aware_handles_type()
+    if handles is None or isinstance(handles, cls):
+        return  # a later torch: let MemTracker do it its own way
+    patched = cls()
+    patched.update(handles)
+    tracker._param_to_grad_hook_handles = patched
+
+
+@functools.cache
+def _frozen_aware_handles_type():
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class FrozenAwareHandles(WeakIdKeyDictionary):
+        def get(self, key, default=None):
+            if not getattr(key, "requires_grad", True):
+                return (_NoHook(), _NoHook())
+            return super().get(key, default)
+
+    return FrozenAwareHandles
 
 
 def _categories(snapshot) -> dict[str, int]:
