@@ -92,8 +92,8 @@ class CoordinatorClient:
         if len(self._reports) >= MAX_INFLIGHT_REPORTS:
             self.num_reports_dropped += 1       # the coordinator is slow: never queue up
         else:
+            setup = self._current_setup()
             try:
-                setup = dict(self.setup()) if self.setup else None
                 self._reports.append(handle.report_steps.remote(
                     self.world_rank, self.node_id, self.attempt, stats_dicts, setup))
                 self.num_reports_sent += 1
@@ -105,6 +105,17 @@ class CoordinatorClient:
                 self._fetch = handle.decisions_since.remote(self.cursor)
             except Exception as exc:  # noqa: BLE001 - fail open
                 self._lose(exc)
+
+    def _current_setup(self) -> dict[str, Any] | None:
+        """The rank's batch layout now (the shrink and prefetch rules' input); None when the
+        callable is missing or fails (fail open: the report goes out without it)."""
+        if self.setup is None:
+            return None
+        try:
+            return dict(self.setup())
+        except Exception as exc:  # noqa: BLE001 - fail open
+            logger.debug("rank %d: setup not readable: %r", self.world_rank, exc)
+            return None
 
     def poll_decisions(self) -> list[Decision]:
         """Decisions whose fetch has completed since the last call; ``[]`` without waiting."""
@@ -213,6 +224,12 @@ class LockstepDecisionSource:
         """This rank's log of ``(step, decision_id)`` applied."""
         return self.lockstep.applied
 
+    def bind_setup(self, setup: Callable[[], Mapping[str, Any]]) -> None:
+        """Report ``setup()`` (micro_batch, grad_accum, prefetch_factor as the rank runs now)
+        with every batch of statistics; the train loop calls this once before training."""
+        if self.client is not None:
+            self.client.setup = setup
+
 
 class ClusterDecisionSource:
     """What the launcher puts in ``train_loop_config["decision_source"]`` (picklable).
@@ -231,11 +248,20 @@ class ClusterDecisionSource:
         self.guard = dict(guard or {})
         self.register_with_monitor = register_with_monitor
         self._source: LockstepDecisionSource | _NoDecisions | None = None
+        self._setup: Callable[[], Mapping[str, Any]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_source"] = None            # built anew in each worker
+        state["_setup"] = None             # bound by the loop in each worker
         return state
+
+    def bind_setup(self, setup: Callable[[], Mapping[str, Any]]) -> None:
+        """Keep ``setup`` for the client this source builds on its first poll (see
+        :meth:`LockstepDecisionSource.bind_setup`)."""
+        self._setup = setup
+        if isinstance(self._source, LockstepDecisionSource):
+            self._source.bind_setup(setup)
 
     def poll(self, step: int, stats: Sequence[StepStats] | None = None) -> list[Decision]:
         if self._source is None:
@@ -269,12 +295,44 @@ class ClusterDecisionSource:
         client = CoordinatorClient(coordinator_name(self.run_id), namespace=self.namespace,
                                    world_rank=ctx.world_rank, node_id=ctx.node_id or "local",
                                    report_every_steps=config.report_every_steps,
-                                   attempt=attempt)
+                                   attempt=attempt, setup=getattr(self, "_setup", None))
         logger.info("rank %d: lockstep every %d steps, coordinator %s, attempt %d",
                     ctx.world_rank, config.lockstep_every_steps, client.name, attempt)
         return LockstepDecisionSource(
             Lockstep(every_steps=config.lockstep_every_steps, exchange=exchange,
                      world_rank=ctx.world_rank), client)
+
+
+class ScriptedDecisionSource:
+    """A rehearsal ``decision_source``: hands scripted decisions to each rank at the steps the
+    script says, as a coordinator would deliver them (at different times on different ranks).
+
+    ``script`` maps a world rank to ``[(poll_step, decision dict), ...]``: at boundary
+    ``poll_step`` that rank's ``poll`` returns the decision (``Decision.to_dict()`` form). The
+    loop applies it at the decision's own ``step`` (or at once when it has none or it is past),
+    so a decision handed to the ranks at different steps but carrying one ``step`` is applied
+    in lockstep, which is what :class:`LockstepDecisionSource` guarantees for real. Picklable;
+    the rank is read from the worker context on the first poll.
+    """
+
+    def __init__(self, script: Mapping[int, Sequence[tuple[int, Mapping[str, Any]]]]) -> None:
+        self.script = {int(rank): [(int(at), dict(d)) for at, d in entries]
+                       for rank, entries in script.items()}
+        self.world_rank: int | None = None
+        self.setups: list[tuple[int, dict[str, Any]]] = []   # (step, setup) seen at each poll
+        self._setup: Callable[[], Mapping[str, Any]] | None = None
+
+    def bind_setup(self, setup: Callable[[], Mapping[str, Any]]) -> None:
+        self._setup = setup
+
+    def poll(self, step: int, stats: Any = None) -> list[Decision]:
+        if self.world_rank is None:
+            from raytrain_guard.runtime.context import current_context
+            self.world_rank = current_context().world_rank
+        if self._setup is not None:
+            self.setups.append((step, dict(self._setup())))
+        return [Decision.from_dict(d) for at, d in self.script.get(self.world_rank, ())
+                if at == step]
 
 
 class _NoDecisions:

@@ -13,7 +13,8 @@
 
 Factories are ``"module:attr"`` strings or callables (``functools.partial`` for arguments).
 ``loss_fn(model, batch)`` receives the wrapped model and the batch already on the device, and
-returns the scalar loss of that micro-batch (the loop divides by ``grad_accum``).
+returns the scalar loss of that micro-batch (the loop divides by ``grad_accum``; the reported
+``loss`` is the step's, the mean of its micro-batch losses, so it does not depend on the split).
 
 What the loop does, per worker: builds the guarded DataLoader (sharded, sized, resumable) and
 validates the dataset and batch before any collective; measures allreduce bandwidth on the live
@@ -27,7 +28,26 @@ a ``CHECKPOINT_AND_STOP`` once every rank agrees (one 4-byte allreduce of a stop
 
 Seam for the cluster layer: ``decision_source`` (an object with ``poll(step, stats) ->
 list[Decision]``) is called on every rank at every step boundary; each decision it returns is
-applied at exactly that step (a decision carrying a later ``step`` waits for it).
+applied at exactly that step (a decision carrying a later ``step`` waits for it). A source with
+``bind_setup(fn)`` is handed ``fn() -> {"micro_batch", "grad_accum", "prefetch_factor"}``, the
+batch layout this rank runs with now, which the coordinator's shrink rule needs.
+
+Shrinking the micro-batch (``SHRINK_MICRO_BATCH``, params ``micro_batch`` and ``grad_accum``):
+at the step boundary the decision applies to (the same on every rank), each rank rebuilds its
+loader with the new micro-batch at the current position of the epoch permutation (the loader's
+resume state, ``samples_consumed``, counts positions of all ranks together, so it does not
+depend on the batch size) and runs ``grad_accum`` micro-batches per step from then on, dividing
+each loss by the new ``grad_accum``. Rank ``r`` takes every ``W``-th position of the
+permutation, so a step of ``grad_accum x micro_batch`` samples per rank takes the same samples
+on each rank whatever the split: the per-step sample sets and the mathematics are those of the
+unshrunk run (only the summation order changes). One exception, as in any re-batching: at the
+end of an epoch whose per-rank shard is not a multiple of the old micro-batch, the last partial
+micro-batch is grouped differently, so the steps around it differ (no sample is lost or
+repeated). A shrink that would change the global batch (``new micro_batch x new grad_accum !=
+old``), a micro-batch that does not divide the old one, or a ``grad_accum`` above the
+micro-batches of an epoch is refused and logged (:func:`shrink_verdict`). Checkpoints record the
+current ``micro_batch``/``grad_accum`` and a resumed run continues with them; the results list
+every change (``batch_changes``).
 """
 
 from __future__ import annotations
@@ -244,22 +264,22 @@ class GuardedTrainLoop:
         self._last_loss: Any = None
         self._audit = None
         self.results: dict[str, Any] = {}
+        # the batch layout now: the config's until a shrink (or a resumed checkpoint) changes it
+        self.micro_batch = config.micro_batch
+        self.grad_accum = config.grad_accum
+        self.batch_changes: list[dict[str, Any]] = []     # applied and refused shrinks
+        self._requested_prefetch: int | None = None        # last SET_PREFETCH cap, kept on rebuild
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build(self) -> None:
         import torch
-
-        from raytrain_guard.runtime.loader import GuardedDataLoader
 
         cfg = self.config
         device = self._device()
         self.device = device
         _seed_everything(cfg.seed)                  # same initial weights on every rank
         dataset = _call_factory("dataset_factory", cfg.dataset_factory)
-        self.loader = GuardedDataLoader(
-            dataset, cfg.micro_batch, shuffle=True, seed=cfg.seed, config=cfg.guard,
-            world_rank=self.rank, world_size=self.world_size, device=device,
-            num_workers=cfg.num_workers)
+        self.loader = self._make_loader(dataset, self.micro_batch)
         model = _call_factory("model_factory", cfg.model_factory)
         if not isinstance(model, torch.nn.Module):
             raise InputError("model_factory", "did not return a torch.nn.Module",
@@ -277,6 +297,15 @@ class GuardedTrainLoop:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self._model = model
         # Everything above is local: a bad input fails on every rank before any collective.
+
+    def _make_loader(self, dataset: Any, micro_batch: int) -> Any:
+        from raytrain_guard.runtime.loader import GuardedDataLoader
+
+        cfg = self.config
+        return GuardedDataLoader(
+            dataset, micro_batch, shuffle=True, seed=cfg.seed, config=cfg.guard,
+            world_rank=self.rank, world_size=self.world_size, device=self.device,
+            num_workers=cfg.num_workers)
 
     def _plan_and_wrap(self) -> None:
         from raytrain_guard.core.buckets import recommend_bucket_cap
@@ -350,6 +379,7 @@ class GuardedTrainLoop:
                 return
             state = read_train_state(directory)
         restore_train_state(self.planned, self.optimizer, state, world_rank=self.rank)
+        self._resume_batch_layout(state.get("extra", {}).get("batch"))
         self.loader.load_state_dict(state["loader"])
         guards = state.get("guard") or []
         if self.rank < len(guards) and guards[self.rank].get("gate"):
@@ -362,6 +392,24 @@ class GuardedTrainLoop:
         logger.info("rank %d: resumed at step %d, loader %s", self.rank, self.step,
                     self.loader.state_dict())
 
+    def _resume_batch_layout(self, saved: Mapping[str, Any] | None) -> None:
+        """Continue with the checkpoint's micro_batch/grad_accum (a shrink before the restart)
+        when they keep this config's global batch; otherwise keep the config's, with a warning."""
+        if not saved:
+            return
+        self.batch_changes = [dict(c) for c in saved.get("changes", ())]
+        mb, ga = int(saved["micro_batch"]), int(saved["grad_accum"])
+        if (mb, ga) == (self.micro_batch, self.grad_accum):
+            return
+        if mb * ga != self.micro_batch * self.grad_accum:
+            logger.warning("rank %d: checkpoint ran with micro_batch %d x grad_accum %d, this "
+                           "config asks %d x %d (another global batch): keeping the config's",
+                           self.rank, mb, ga, self.micro_batch, self.grad_accum)
+            return
+        logger.info("rank %d: resuming with the checkpoint's micro_batch %d and grad_accum %d "
+                    "(config: %d and %d)", self.rank, mb, ga, self.micro_batch, self.grad_accum)
+        self._rebatch(mb, ga)
+
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         start = self._clock()
@@ -369,6 +417,13 @@ class GuardedTrainLoop:
         self._plan_and_wrap()
         self._build_guard()
         self._resume()
+        bind = getattr(self.config.decision_source, "bind_setup", None)
+        if callable(bind):
+            try:
+                bind(self.setup)
+            except Exception:  # noqa: BLE001 - fail open: the policy only lacks the setup
+                logger.warning("rank %d: decision source did not take the setup", self.rank,
+                               exc_info=True)
         if self.config.audit_dir:
             os.makedirs(self.config.audit_dir, exist_ok=True)
             self._audit = open(os.path.join(self.config.audit_dir, f"rank{self.rank}.jsonl"), "a")
@@ -389,21 +444,25 @@ class GuardedTrainLoop:
             if self.memory_faults:
                 self._fill_memory(step)
             self.guard.begin_step(step)
-            for micro in range(cfg.grad_accum):
+            grad_accum = self.grad_accum       # changes only at a step boundary (a shrink)
+            step_loss = None                   # the step's loss: mean of its micro-batches'
+            for micro in range(grad_accum):
                 batch = next(micro_batches)
                 self.guard.mark("data")
                 if self._audit is not None:
                     self._log_ids(step, batch)
-                with self.planned.grad_sync(micro == cfg.grad_accum - 1):
+                with self.planned.grad_sync(micro == grad_accum - 1):
                     loss = cfg.loss_fn(self.planned.module, batch)
                     _check_loss(loss, step)
                     self.guard.mark("forward")
-                    (loss / cfg.grad_accum).backward()
+                    scaled = loss / grad_accum
+                    scaled.backward()
+                step_loss = scaled.detach() if step_loss is None else step_loss + scaled.detach()
                 self.guard.mark("backward")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.guard.mark("optimizer")
-            self._last_loss = loss.detach()
+            self._last_loss = step_loss
             self.step = step + 1
             decisions = self.guard.end_step(step)
             new_stats = self.guard.drain_stats()
@@ -427,7 +486,9 @@ class GuardedTrainLoop:
                            "budget", self.rank, step, float(spec["frac"]))
 
     def _micro_batches(self) -> Iterator[Any]:
-        """Micro-batches across epochs (the loader moves to the next epoch by itself)."""
+        """Micro-batches across epochs (the loader moves to the next epoch by itself). After a
+        rebuild (:meth:`_rebatch`) the old loader's iterator ends and the next pass reads
+        ``self.loader`` anew, at the position the old one reached."""
         while True:
             delivered = False
             for batch in self.loader:
@@ -481,15 +542,76 @@ class GuardedTrainLoop:
             release_cache()
         elif action is Action.SET_PREFETCH:
             if "prefetch_factor" in decision.params:
+                self._requested_prefetch = decision.params["prefetch_factor"]
                 self.loader.request_prefetch_factor(decision.params["prefetch_factor"])
             if "device_prefetch_depth" in decision.params:
                 self.loader.set_device_prefetch_depth(int(decision.params["device_prefetch_depth"]))
         elif action is Action.CHECKPOINT:
             return True
         elif action is Action.SHRINK_MICRO_BATCH:
-            logger.warning("rank %d: %s not applied: the template cannot change micro_batch "
-                           "mid-run; restart with the new micro_batch", self.rank, decision)
+            self._shrink(decision)
         return False
+
+    def _shrink(self, decision: Decision) -> None:
+        """Apply a SHRINK_MICRO_BATCH at this boundary, or refuse it with the reason (logged and
+        kept in ``batch_changes``). Every rank decides alike: same layout, same dataset length."""
+        old = (self.micro_batch, self.grad_accum)
+        entry = {"step": self.step, "decision_id": decision.decision_id,
+                 "from_micro_batch": old[0], "from_grad_accum": old[1],
+                 "micro_batch": decision.params.get("micro_batch"),
+                 "grad_accum": decision.params.get("grad_accum")}
+        samples_per_rank = -(-self.loader.num_samples // self.world_size)
+        verdict = shrink_verdict(old[0], old[1], decision.params,
+                                 samples_per_rank=samples_per_rank)
+        if isinstance(verdict, str):
+            logger.warning("rank %d step %d: shrink refused: %s", self.rank, self.step, verdict)
+            self.batch_changes.append({**entry, "applied": False, "reason": verdict})
+            return
+        try:
+            self._rebatch(*verdict)
+        except Exception as exc:  # noqa: BLE001 - fail open: train on with the old layout
+            logger.warning("rank %d step %d: shrink failed, keeping micro_batch %d x grad_accum "
+                           "%d: %r", self.rank, self.step, old[0], old[1], exc, exc_info=True)
+            self.batch_changes.append({**entry, "applied": False, "reason": repr(exc)})
+            return
+        logger.warning("rank %d step %d: micro_batch %d -> %d, grad_accum %d -> %d (global batch "
+                       "%d unchanged, loader rebuilt at sample %d of epoch %d): %s", self.rank,
+                       self.step, old[0], verdict[0], old[1], verdict[1],
+                       old[0] * old[1] * self.world_size,
+                       self.loader.state_dict()["samples_consumed"], self.loader.epoch,
+                       decision.reason)
+        self.batch_changes.append({**entry, "applied": True, "reason": decision.reason})
+
+    def _rebatch(self, micro_batch: int, grad_accum: int) -> None:
+        """Replace the loader by one of ``micro_batch`` at the same epoch position; from the
+        next step on, ``grad_accum`` micro-batches make a step."""
+        old = self.loader
+        new = self._make_loader(old.dataset, micro_batch)
+        try:
+            new.load_state_dict(old.state_dict())
+            if new.device_prefetch_depth != old.device_prefetch_depth:
+                new.set_device_prefetch_depth(old.device_prefetch_depth)
+            if self._requested_prefetch is not None:
+                new.request_prefetch_factor(self._requested_prefetch)
+        except Exception:
+            new.close()
+            raise
+        old.close()                    # its live iterator ends; _micro_batches reads the new one
+        self.loader = new
+        self.micro_batch, self.grad_accum = micro_batch, grad_accum
+        steps_per_epoch = len(new) // grad_accum
+        if steps_per_epoch != self.steps_per_epoch:
+            logger.warning("rank %d: %d steps per epoch with micro_batch %d x grad_accum %d "
+                           "(was %d: the epoch's last partial micro-batch splits differently); "
+                           "the run keeps its %d steps", self.rank, steps_per_epoch,
+                           micro_batch, grad_accum, self.steps_per_epoch, self.total_steps)
+        self.steps_per_epoch = steps_per_epoch
+
+    def setup(self) -> dict[str, Any]:
+        """The batch layout this rank runs with now (what the coordinator's policy reads)."""
+        prefetch = self.loader.plan.prefetch_factor
+        return {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                "prefetch_factor": prefetch if prefetch and prefetch > 0 else None}
 
     def _agree(self, local_stop: bool) -> bool:
         """True when any rank wants to stop: one 4-byte all_reduce(MAX); touches
@@ -523,7 +645,9 @@ class GuardedTrainLoop:
 
         state = gather_train_state(
             self.planned, self.optimizer, step=self.step, loader_state=self.loader.state_dict(),
-            guard_state={"gate": self.guard.gate.state_dict()})
+            guard_state={"gate": self.guard.gate.state_dict()},
+            extra={"batch": {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                             "changes": self.batch_changes}})
         loss = float(self._last_loss) if self._last_loss is not None else None
         report = {"step": self.step, "loss": loss, **metrics}
         with tempfile.TemporaryDirectory(prefix="rtg-ckpt-") as tmp:
@@ -540,7 +664,8 @@ class GuardedTrainLoop:
 
         own = {"world_rank": self.rank, "window": [s.to_dict() for s in self.window],
                "decisions": self.decisions, "loader": self.loader.stats(),
-               "faults_applied": getattr(self.faults, "num_delays", 0)}
+               "faults_applied": getattr(self.faults, "num_delays", 0),
+               "batch_changes": [dict(c, world_rank=self.rank) for c in self.batch_changes]}
         per_rank = self._gather(own)
         windows = [[StepStats.from_dict(s) for s in r["window"]] for r in per_rank]
         attribution = [dict(world_rank=a.world_rank, role=a.role.value, reason=a.reason)
@@ -566,6 +691,8 @@ class GuardedTrainLoop:
             "decisions": [d for r in per_rank for d in r["decisions"]],
             "loader": [r["loader"] for r in per_rank],
             "faults_applied": [r["faults_applied"] for r in per_rank],
+            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+            "batch_changes": [c for r in per_rank for c in r["batch_changes"]],
         }
         self._checkpoint({"kind": "final", "results": json.dumps(results, default=str)})
         return results
@@ -616,6 +743,35 @@ class _StepMetrics:
             value = getattr(stats, name)
             if value is not None:
                 gauge.set(float(value), tags=self.tags)
+
+
+def shrink_verdict(micro_batch: int, grad_accum: int, params: Mapping[str, Any], *,
+                   samples_per_rank: int) -> tuple[int, int] | str:
+    """``(new micro_batch, new grad_accum)`` of a SHRINK_MICRO_BATCH, or why it is refused.
+
+    Accepted only when both are positive integers, the new micro-batch is smaller and divides
+    the old one, the global batch is kept (``new_mb x new_ga == micro_batch x grad_accum``) and
+    an epoch of ``samples_per_rank`` still holds ``new_ga`` micro-batches. Pure: every rank
+    computes the same verdict from the same figures.
+    """
+    mb, ga = params.get("micro_batch"), params.get("grad_accum")
+    for name, value in (("micro_batch", mb), ("grad_accum", ga)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"params[{name!r}] must be a positive integer, got {value!r}"
+    if mb >= micro_batch:
+        return f"micro_batch {mb} is not smaller than the current {micro_batch}"
+    if micro_batch % mb:
+        return (f"micro_batch {mb} does not divide the current {micro_batch}, so its "
+                f"micro-batches would not tile the old ones")
+    if mb * ga != micro_batch * grad_accum:
+        return (f"micro_batch {mb} x grad_accum {ga} = {mb * ga} samples per rank and step, not "
+                f"the current {micro_batch} x {grad_accum} = {micro_batch * grad_accum}: the "
+                f"global batch (and so the mathematics) would change")
+    per_epoch = -(-samples_per_rank // mb)
+    if ga > per_epoch:
+        return (f"grad_accum {ga} exceeds the {per_epoch} micro-batches of {mb} in an epoch "
+                f"of {samples_per_rank} samples per rank")
+    return mb, ga
 
 
 def _call_factory(name: str, factory: Callable[..., Any], *args: Any) -> Any:
