@@ -149,6 +149,19 @@ def test_results_and_setup_record_the_change_and_the_refusal(runs):
     assert setups[2] == (4, 2) and setups[3] == (2, 4) and setups[8] == (2, 4)
 
 
+def test_shrink_at_an_epoch_boundary(runs, tmp_path):
+    # applied after step 4 = the end of epoch 0: the rebuilt loader starts epoch 1 at position 0
+    import torch
+    tmp, reference, _, _ = runs
+    source = ScriptedDecisionSource({0: [(4, _shrink(4))]})
+    shrunk = _run(tmp_path, "edge", decision_source=source)
+    assert _ids_by_step(tmp_path / "edge") == _ids_by_step(tmp / "reference")
+    sizes = _sizes_by_step(tmp_path / "edge")
+    assert [sizes[s] for s in range(8)] == [[4, 4]] * 4 + [[2, 2, 2, 2]] * 4
+    for p, q in zip(reference.planned.module.parameters(), shrunk.planned.module.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
 def test_resume_continues_with_the_shrunk_layout(runs, tmp_path):
     import shutil
 
