@@ -156,8 +156,10 @@ def test_nvml_reading_counts_as_device_pressure():
     out = _decide(view({0: rank(0), 1: rank(1)}, {"n1": node("n1", gpus=[gpu])}))
     (d,) = out.decisions
     assert d.action is Action.RELEASE_CACHE
-    assert d.reason == ("release cached memory on all ranks at step 60: node n1 GPU 2 at 95% of "
+    assert d.step == 60
+    assert d.reason == ("release cached memory on all ranks: node n1 GPU 2 at 95% of "
                         "device memory (watermark 88%)")
+    assert str(d).startswith("release_cache at step 60 [cluster]: release cached memory")
 
 
 @pytest.mark.parametrize("prefetch,expected,note", [

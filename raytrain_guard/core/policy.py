@@ -188,7 +188,7 @@ def _device_memory(view, state, config, at, latest, decisions, notes) -> PolicyS
         return state
     pct = f"{p.frac:.0%}"
     if config.pacing_enabled and state.pacing and p.frac < config.memory_watermark_frac:
-        decisions.append(Decision(Action.PACE, f"stop pacing at step {at}: worst device memory "
+        decisions.append(Decision(Action.PACE, f"stop pacing: worst device memory "
                                   f"{pct} at {p.where}, below the watermark "
                                   f"{config.memory_watermark_frac:.0%}", at,
                                   Cause.DEVICE_MEMORY, "cluster", {"delay_s": 0.0}))
@@ -203,7 +203,7 @@ def _device_memory(view, state, config, at, latest, decisions, notes) -> PolicyS
                  if p.slope_per_step > 0 else "")
         decisions.append(Decision(
             Action.CHECKPOINT_AND_STOP,
-            f"checkpoint and stop at step {at}: {p.where} at {pct} of device memory{trend}, "
+            f"checkpoint and stop: {p.where} at {pct} of device memory{trend}, "
             f"past the out-of-memory line {config.oom_stop_frac:.0%}", at,
             Cause.DEVICE_MEMORY, "cluster", {"memory_frac": round(p.frac, 4),
                                              "projected_frac": round(projected, 4)}))
@@ -220,15 +220,15 @@ def _device_memory(view, state, config, at, latest, decisions, notes) -> PolicyS
             (mb, ga), (new_mb, new_ga) = shrink
             decisions.append(Decision(
                 Action.SHRINK_MICRO_BATCH,
-                f"shrink micro-batch {mb}->{new_mb} and raise gradient accumulation {ga}->{new_ga} "
-                f"at step {at}: {p.where} still at {pct} of device memory after a cache release "
+                f"shrink micro-batch {mb}->{new_mb} and raise gradient accumulation {ga}->{new_ga}: "
+                f"{p.where} still at {pct} of device memory after a cache release "
                 f"(critical {config.memory_critical_frac:.0%}); the global batch is unchanged",
                 at, Cause.DEVICE_MEMORY, "cluster", {"micro_batch": new_mb, "grad_accum": new_ga}))
             return dataclasses.replace(state, last_shrink_step=at, last_release_step=at)
 
     if _cooled(state.last_release_step, latest, config):
         decisions.append(Decision(
-            Action.RELEASE_CACHE, f"release cached memory on all ranks at step {at}: {p.where} at "
+            Action.RELEASE_CACHE, f"release cached memory on all ranks: {p.where} at "
             f"{pct} of device memory (watermark {config.memory_watermark_frac:.0%})", at,
             Cause.DEVICE_MEMORY, "cluster", {"memory_frac": round(p.frac, 4)}))
         state = dataclasses.replace(state, last_release_step=at)
@@ -274,8 +274,8 @@ def _host_memory(view, state, config, at, latest, decisions, notes) -> PolicySta
         new = 1 if current is None else max(1, current // 2)
         was = "unknown" if current is None else str(current)
         decisions.append(Decision(
-            Action.SET_PREFETCH, f"lower prefetch_factor {was}->{new} on node {node_id} at step "
-            f"{at}: host memory {host.memory_used_frac:.0%} used (watermark "
+            Action.SET_PREFETCH, f"lower prefetch_factor {was}->{new} on node {node_id}: "
+            f"host memory {host.memory_used_frac:.0%} used (watermark "
             f"{config.host_memory_watermark_frac:.0%}, Ray kills workers at 95%)", at,
             Cause.HOST_MEMORY, f"node:{node_id}", {"prefetch_factor": new}))
         steps[node_id] = at
