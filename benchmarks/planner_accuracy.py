@@ -4,8 +4,10 @@ For each model family the model is traced once under FakeTensorMode (``raytrain_
 and ``estimate()`` predicts the per-rank peak at the traced micro-batch and at a micro-batch that
 was never traced (3 x). The same models are then trained for real - AdamW, the loop
 ``loss.backward(); opt.step(); opt.zero_grad()`` - with one rank (no DDP wrapper, as Ray's
-``prepare_model`` does at world size 1) and with two gloo ranks under DDP (real processes,
-``torch.multiprocessing.spawn``). Measured peak:
+``prepare_model`` does at world size 1) and with two gloo ranks (real processes,
+``torch.multiprocessing.spawn``) under DDP, DDP + ``ZeroRedundancyOptimizer`` (zero1) and FSDP2
+``fully_shard`` per unit of ``trace.wrap_units`` plus the root (``reshard_after_forward`` True:
+fsdp-full, False: fsdp-grad-op). Measured peak:
 
 * ``--device cpu`` (default): PyTorch's own accounting, MemTracker on the real CPU tensors. One
   tracker covers DDP's construction and three steps, so DDP's gradient buckets and their rebuild
@@ -13,7 +15,7 @@ was never traced (3 x). The same models are then trained for real - AdamW, the l
 * ``--device cuda``: ``torch.cuda.max_memory_allocated`` over the same three steps (nccl for two
   ranks), with the optimizer's CUDA default (foreach) predicted.
 
-Run: ``python benchmarks/planner_accuracy.py [--device cuda] [--ranks 1 2]``.
+Run: ``python benchmarks/planner_accuracy.py [--device cuda] [--ranks 1 2] [--strategies ...]``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from examples import models  # noqa: E402
 from raytrain_guard.core.memory_model import TrainingSetup, estimate  # noqa: E402
-from raytrain_guard.trace import skip_frozen_grad_hooks, trace_model  # noqa: E402
+from raytrain_guard.trace import skip_frozen_grad_hooks, trace_model, wrap_units  # noqa: E402
+
+STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full")
 
 FAMILIES = {  # name: (model factory, sample factory, loss or None)
     "mlp": (models.mlp, models.mlp_batch, None),
@@ -50,45 +54,63 @@ def _loss(model, batch, loss_fn):
     return model(batch).sum()
 
 
-def measure(name: str, micro_batch: int, device: str, world_size: int) -> int:
-    """Peak tensor bytes of this rank over DDP construction + 3 training steps."""
+def measure(name: str, micro_batch: int, device: str, world_size: int,
+            strategy: str = "ddp") -> int:
+    """Peak tensor bytes of this rank over wrapping + 3 training steps."""
     build, sample, loss_fn = FAMILIES[name]
     torch.manual_seed(0)
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else \
         torch.device("cpu")
     model = build().to(dev)
     batch = sample(batch_size=micro_batch).to(dev)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = 0
-        wrapped = _wrap(model, world_size, dev)
-        for _ in range(3):
-            _loss(wrapped, batch, loss_fn).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        wrapped, opt = _wrap(model, world_size, dev, strategy)
+        _steps(wrapped, opt, batch, loss_fn)
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return torch.cuda.max_memory_allocated()
     from torch.distributed._tools.mem_tracker import MemTracker
     tracker = MemTracker()
     skip_frozen_grad_hooks(tracker, model)  # MemTracker raises on frozen parameters otherwise
-    tracker.track_external(model, opt, batch)
     with tracker:
-        wrapped = _wrap(model, world_size, dev)
-        for _ in range(3):
-            _loss(wrapped, batch, loss_fn).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            tracker.reset_mod_stats()  # per-module stats only; the global peak is kept
+        wrapped, opt = _wrap(model, world_size, dev, strategy)
+        skip_frozen_grad_hooks(tracker, model)  # FSDP replaced the parameters
+        tracker.track_external(model, opt, batch)
+        _steps(wrapped, opt, batch, loss_fn, tracker)
     return sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
 
 
-def _wrap(model, world_size, dev):
-    if world_size == 1:
-        return model  # Ray's prepare_model does not wrap DDP with one rank
+def _steps(wrapped, opt, batch, loss_fn, tracker=None):
+    for _ in range(3):
+        _loss(wrapped, batch, loss_fn).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if tracker is not None:
+            tracker.reset_mod_stats()  # per-module stats only; the global peak is kept
+
+
+def _wrap(model, world_size, dev, strategy):
+    """(model to call, optimizer): DDP, DDP + ZeroRedundancyOptimizer, or FSDP2 per unit."""
+    def adamw(params):
+        return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-3)
+
+    if world_size == 1 and strategy == "ddp":
+        return model, adamw(model.parameters())  # Ray's prepare_model does not wrap one rank
+    if strategy.startswith("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+        reshard = strategy == "fsdp-full"
+        for unit in wrap_units(model):
+            fully_shard(unit, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        return model, adamw(model.parameters())
     from torch.nn.parallel import DistributedDataParallel as DDP
-    return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ddp, ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad],
+                                            optimizer_class=torch.optim.AdamW, lr=1e-3)
+    return ddp, adamw(model.parameters())
 
 
 def _rank_main(rank: int, world_size: int, device: str, jobs, init_file: str, out_dir: str):
@@ -98,29 +120,30 @@ def _rank_main(rank: int, world_size: int, device: str, jobs, init_file: str, ou
                             world_size=world_size, init_method=f"file://{init_file}")
     try:
         lines = []
-        for name, b in jobs:
+        for name, b, strategy in jobs:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
-            lines.append(f"{name}\t{b}\t{measure(name, b, device, world_size)}")
+            peak = measure(name, b, device, world_size, strategy)
+            lines.append(f"{name}\t{b}\t{strategy}\t{peak}")
         with open(os.path.join(out_dir, f"rank{rank}.tsv"), "w") as fh:
             fh.write("\n".join(lines))
     finally:
         dist.destroy_process_group()
 
 
-def measure_ranks(jobs, device: str, world_size: int) -> dict[tuple[str, int], int]:
+def measure_ranks(jobs, device: str, world_size: int) -> dict[tuple[str, int, str], int]:
     """Per-job peak, the larger of the ranks (they should agree)."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         mp.spawn(_rank_main, args=(world_size, device, jobs, init_file, tmp),
                  nprocs=world_size, join=True)
-        peaks: dict[tuple[str, int], int] = {}
+        peaks: dict[tuple[str, int, str], int] = {}
         for r in range(world_size):
             with open(os.path.join(tmp, f"rank{r}.tsv")) as fh:
                 for line in fh:
-                    name, b, peak = line.rstrip("\n").split("\t")
-                    key = (name, int(b))
+                    name, b, strategy, peak = line.rstrip("\n").split("\t")
+                    key = (name, int(b), strategy)
                     peaks[key] = max(peaks.get(key, 0), int(peak))
         return peaks
 
@@ -129,6 +152,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES),
+                        choices=list(STRATEGIES),
+                        help="strategies measured with more than one rank (one rank: ddp)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here; nothing measured")
@@ -148,30 +174,38 @@ def main() -> int:
 
     rows = []
     for world_size in args.ranks:
-        measured = measure_ranks(jobs, args.device, world_size)
-        for name, b in jobs:
+        strategies = args.strategies if world_size > 1 else ["ddp"]
+        ws_jobs = [(name, b, s) for s in strategies for name, b in jobs]
+        measured = measure_ranks(ws_jobs, args.device, world_size)
+        for name, b, strategy in ws_jobs:
             tr = traces[name]
-            setup = TrainingSetup(strategy="ddp", precision="fp32", optimizer="adamw",
+            setup = TrainingSetup(strategy=strategy, precision="fp32", optimizer="adamw",
                                   micro_batch=b, world_size=world_size,
                                   foreach=args.device == "cuda")
             est = estimate(tr.model_stats, tr.activations, setup)
-            m = measured[(name, b)]
-            rows.append((name, world_size, b, "traced" if b == tr.micro_batch else "predicted",
+            m = measured[(name, b, strategy)]
+            rows.append((name, strategy, world_size, b,
+                         "traced" if b == tr.micro_batch else "predicted",
                          est.peak_bytes, m, est.peak_bytes / m - 1, est.peak_phase))
 
     print()
     print(f"device: {args.device}; predicted = estimate(trace at b0) peak_bytes; "
           f"measured = {'MemTracker on real CPU tensors' if args.device == 'cpu' else 'torch.cuda.max_memory_allocated'}")
-    head = f"{'model':34} {'ranks':>5} {'b':>4} {'b is':>9} {'predicted MiB':>14} " \
-           f"{'measured MiB':>13} {'error':>8}  phase"
+    head = f"{'model':34} {'strategy':>12} {'ranks':>5} {'b':>4} {'b is':>9} " \
+           f"{'predicted MiB':>14} {'measured MiB':>13} {'error':>8}  phase"
     print(head)
     print("-" * len(head))
-    for name, ws, b, kind, pred, meas, err, phase in rows:
-        print(f"{name:34} {ws:>5} {b:>4} {kind:>9} {pred / 2**20:>14.3f} {meas / 2**20:>13.3f} "
-              f"{err:>+8.2%}  {phase}")
-    errs = [abs(r[6]) for r in rows]
-    print(f"\n|error|: median {statistics.median(errs):.2%}, worst {max(errs):.2%} "
-          f"over {len(rows)} cases (goal: median <= 5 %, worst <= 10 %)")
+    for name, strategy, ws, b, kind, pred, meas, err, phase in rows:
+        print(f"{name:34} {strategy:>12} {ws:>5} {b:>4} {kind:>9} {pred / 2**20:>14.3f} "
+              f"{meas / 2**20:>13.3f} {err:>+8.2%}  {phase}")
+    for label, subset in (("all", rows), ("ddp", [r for r in rows if r[1] == "ddp"]),
+                          ("zero1", [r for r in rows if r[1] == "zero1"]),
+                          ("fsdp", [r for r in rows if r[1].startswith("fsdp")])):
+        if subset:
+            errs = [abs(r[7]) for r in subset]
+            print(f"|error| {label:>5}: median {statistics.median(errs):.2%}, worst "
+                  f"{max(errs):.2%} over {len(subset)} cases")
+    print("goal: median <= 5 %, worst <= 10 %")
     return 0
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.memory_model import (MemoryEstimate, OptimizerKind, Precision, Strategy,
-                                              TrainingSetup, estimate)
+                                              TrainingSetup, estimate, zero1_rank_numel)
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.errors import PlanInputError
 
@@ -72,10 +72,11 @@ STRATEGIES = [
     ("ddp", "fp32", {"backward": 4000 + 8000 + 1600 + 10000 + 4000,        # + buckets
                      "optimizer": 4000 + 8000 + 4000 + 4000 + 4000,        # T 4000, buckets
                      "rebuild": 4000 + 8000 + 2 * 4000}),
-    # zero1: O 250*8 = 2000, T 250*4 = 1000
-    ("zero1", "fp32", {"backward": 4000 + 2000 + 1600 + 10000 + 4000,
-                       "optimizer": 4000 + 2000 + 4000 + 1000 + 4000,
-                       "rebuild": 4000 + 2000 + 8000}),
+    # zero1: ZeroRedundancyOptimizer gives whole parameters, largest first, to the least loaded
+    # rank: 400 | 300 | 200 | 100 -> the most loaded rank holds 400. O 400*8 = 3200, T 400*4
+    ("zero1", "fp32", {"backward": 4000 + 3200 + 1600 + 10000 + 4000,
+                       "optimizer": 4000 + 3200 + 4000 + 1600 + 4000,
+                       "rebuild": 4000 + 3200 + 8000}),
     # grad-op: P 250*4 = 1000, G 1000, O 2000; comm = unsharded params 4000 + 2 RS 2*400*4
     ("fsdp-grad-op", "fp32", {"backward": 1000 + 2000 + 0 + 10000 + 4000 + 3200,
                               "optimizer": 1000 + 2000 + 1000 + 1000}),
@@ -86,10 +87,10 @@ STRATEGIES = [
     ("ddp", "bf16-master", {"backward": 2000 + 12000 + 800 + 10000 + 2000,
                             "optimizer": 2000 + 12000 + 2000 + 4000 + 2000,
                             "rebuild": 2000 + 12000 + 4000}),
-    # zero1: O 250*12 = 3000, T 250*4 = 1000
-    ("zero1", "bf16-master", {"backward": 2000 + 3000 + 800 + 10000 + 2000,
-                              "optimizer": 2000 + 3000 + 2000 + 1000 + 2000,
-                              "rebuild": 2000 + 3000 + 4000}),
+    # zero1: most loaded rank 400 params: O 400*12 = 4800, T 400*4 = 1600
+    ("zero1", "bf16-master", {"backward": 2000 + 4800 + 800 + 10000 + 2000,
+                              "optimizer": 2000 + 4800 + 2000 + 1600 + 2000,
+                              "rebuild": 2000 + 4800 + 4000}),
     # grad-op: P 500, G 500, O 3000; comm = 2000 unsharded + 2*400*2 = 3600
     ("fsdp-grad-op", "bf16-master", {"backward": 500 + 3000 + 10000 + 3600,
                                      "optimizer": 500 + 3000 + 500 + 1000}),
@@ -203,3 +204,15 @@ def test_bad_setup_names_the_field_and_the_fix(kwargs, field):
     assert err.value.field == field
     assert err.value.fix
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("numels,world_size,expected", [
+    ((300, 300, 200, 200), 2, 500),        # 300 | 300, then 200 | 200: even
+    ((600, 100, 100, 100, 100), 2, 600),   # 600 | 100+100+100+100: one big parameter wins
+    ((400, 300, 200, 100), 4, 400),
+    ((400, 300, 200, 100), 1, 1000),
+    ((), 4, 250),                          # unknown layout: ceil(1000 / 4)
+])
+def test_zero1_most_loaded_rank(numels, world_size, expected):
+    model = ModelStats(num_params=1000, num_trainable_params=1000, param_numels=numels)
+    assert zero1_rank_numel(model, world_size) == expected

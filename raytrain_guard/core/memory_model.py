@@ -41,7 +41,9 @@ pads its flat parameters):
 * ``ddp``: nothing sharded. Gradient buckets hold one more full copy of the gradients unless
   ``gradient_as_bucket_view``. Ray's ``prepare_model`` does not wrap DDP when the world size is
   1, so with one rank there are no buckets.
-* ``zero1``: optimizer state (and its temporaries) divided by ``N``; DDP buckets as above.
+* ``zero1``: optimizer state (and its temporaries) of the most loaded rank: PyTorch's
+  ``ZeroRedundancyOptimizer`` never splits a parameter (largest first, to the least loaded rank),
+  so one huge parameter can leave a rank with most of the state; DDP buckets as above.
 * ``fsdp-grad-op`` (ZeRO-2): gradients and optimizer state divided by ``N``; the parameters are
   kept sharded at rest *and* unsharded from forward to the end of backward (counted as ``comm``),
   plus two reduce-scatter buffers of the largest unit (prefetch).
@@ -172,6 +174,20 @@ def _shard(numel: int, n: int) -> int:
     return math.ceil(numel / n)
 
 
+def zero1_rank_numel(model: ModelStats, world_size: int) -> int:
+    """Trainable elements of the most loaded rank under ``ZeroRedundancyOptimizer``.
+
+    It never splits a parameter: it sorts them largest first and gives each to the rank with
+    the fewest elements so far. Without ``param_numels``, an even split.
+    """
+    if not model.param_numels or world_size == 1:
+        return _shard(model.num_trainable_params, world_size)
+    sizes = [0] * world_size
+    for numel in sorted(model.param_numels, reverse=True):
+        sizes[sizes.index(min(sizes))] += numel
+    return max(sizes)
+
+
 def optimizer_temp_bytes(model: ModelStats, setup: TrainingSetup) -> int:
     """Transient bytes inside ``optimizer.step()`` on one rank (before sharding is applied).
 
@@ -185,7 +201,9 @@ def optimizer_temp_bytes(model: ModelStats, setup: TrainingSetup) -> int:
     state = STATE_BYTES[setup.precision]
     if setup.foreach:
         per_rank = model.num_trainable_params
-        if setup.strategy is not Strategy.DDP:
+        if setup.strategy is Strategy.ZERO1:
+            per_rank = zero1_rank_numel(model, setup.world_size)
+        elif setup.strategy is not Strategy.DDP:
             per_rank = _shard(per_rank, setup.world_size)
         return per_rank * state
     largest = max(model.param_numels) if model.param_numels else (
@@ -220,7 +238,8 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
     else:
         params = model.num_params * p_b
         grads = trainable * p_b
-        optimizer = (_shard(trainable, n) if strat is Strategy.ZERO1 else trainable) * opt_per_param
+        optimizer = (zero1_rank_numel(model, n) if strat is Strategy.ZERO1 else trainable) \
+            * opt_per_param
     buffers = model.buffer_bytes
     if frozen:
         notes.append(f"{frozen} frozen parameters: parameter bytes only, no gradient or "
