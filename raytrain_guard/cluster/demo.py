@@ -80,8 +80,15 @@ def run_demo(*, num_workers: int = 2, epochs: int = 12, rehearse: bool = True,
     tty = out.isatty()
     started = time.monotonic()
 
+    last = [""]
+
     def show(status: Mapping[str, Any]) -> None:
         line = progress_line(status, total, started)
+        if not tty:  # a log gets a line only when something besides the clock changed
+            key = line.rsplit("|", 1)[0]
+            if key == last[0]:
+                return
+            last[0] = key
         out.write(("\r" + line.ljust(100)) if tty else line + "\n")
         out.flush()
 
