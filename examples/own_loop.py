@@ -71,7 +71,7 @@ def train_func(config: dict) -> None:
             step += 1
             guard.begin_step(step)                                                   # guard
         # report once per epoch (a barrier): never every step
-        ray.train.report({"epoch": epoch, "loss": float(loss), "step": step,
+        ray.train.report({"epoch": epoch, "loss": float(loss.detach()), "step": step,
                           "bucket_cap_mb": plan.bucket_cap_mb,
                           "knee_bytes": curve.knee_bytes(guard_config.bandwidth_peak_frac)})
     loader.close()
