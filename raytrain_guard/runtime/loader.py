@@ -45,6 +45,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.host_memory import host_memory, read_cgroup_memory, within_cgroup  # noqa: F401
 from raytrain_guard.core.dataloader_sizing import DataLoaderPlan, size_dataloader
 from raytrain_guard.core.decisions import Action, Decision
 from raytrain_guard.errors import InputError, PlanInputError
@@ -67,42 +68,9 @@ _SAME_SHAPE_FIX = ("make __getitem__ return the same structure, dtype and per-sa
 HostProbe = Callable[[], "tuple[int, int]"]   # () -> (total bytes, available bytes)
 
 
-def psutil_host_memory() -> tuple[int, int]:
-    """Host RAM (total, available) from psutil, narrowed to the container's cgroup limit.
-
-    In a container psutil reports the machine's RAM; the memory this process may use is the
-    cgroup's limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) minus its usage.
-    """
-    import psutil
-
-    vm = psutil.virtual_memory()
-    return within_cgroup(int(vm.total), int(vm.available), *_read_cgroup_memory())
-
-
-def within_cgroup(total: int, available: int, limit: int | None,
-                  usage: int | None) -> tuple[int, int]:
-    """(total, available) of the host, narrowed to a cgroup ``limit`` with ``usage`` in it."""
-    if limit is None or limit <= 0 or limit >= total:
-        return total, available
-    free_in_cgroup = max(0, limit - (usage or 0))
-    return limit, min(available, free_in_cgroup)
-
-
-def _read_cgroup_memory() -> tuple[int | None, int | None]:
-    for limit_path, usage_path in (
-            ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-            ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-             "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_path) as fh:
-                text = fh.read().strip()
-            if text == "max":
-                return None, None
-            with open(usage_path) as fh:
-                return int(text), int(fh.read().strip())
-        except (OSError, ValueError):
-            continue
-    return None, None
+# The cgroup-aware host reading lives in raytrain_guard.host_memory (shared with the probes,
+# the node monitor and the CLI); these names stay importable from here.
+psutil_host_memory = host_memory
 
 
 class GuardedDataLoader:
