@@ -169,6 +169,18 @@ class GuardConfig:
         0.90, "Host memory used fraction (1 - available/total) at which the policy lowers the "
         "node's prefetch depth. Default 0.90: five points below Ray's memory monitor, which "
         "kills workers at 0.95 (RAY_memory_usage_threshold).", 0.0, 1.0, lo_open=True)
+    coordinator_retry_s: float = _doc(
+        5.0, "Least time between two lookups of the coordinator by name, by a rank's client or a "
+        "node monitor, after the coordinator was unreachable. Default 5 s: Ray restarts a killed "
+        "actor within a few seconds, and one failed lookup per 5 s is free next to a step.",
+        0.0)
+    node_sample_max_age_intervals: int = _doc(
+        10, "A node sample older than this many monitor_interval_s no longer counts in the "
+        "policy (its monitor died or cannot reach the coordinator). Default 10: ten missed "
+        "samples, far beyond the jitter of a 1 s sampling thread.", 1)
+    straggler_min_steps: int = _doc(
+        3, "Steps a rank's window must hold before the coordinator scores it as a straggler. "
+        "Seed rule: 3 consecutive slow steps (as num_slow_steps).", 1)
     oom_stop_frac: float = _doc(
         0.98, "Device memory fraction, projected to the step after the next apply step, at which "
         "the policy checkpoints and stops before an out-of-memory. Default 0.98: one more "
@@ -254,6 +266,19 @@ class GuardConfig:
     def budget_frac(self) -> float:
         """Fraction of device memory that tensors and the reserve may use (1 - headroom)."""
         return 1.0 - self.headroom_frac
+
+
+# -- environment knobs (operational switches read where they act, declared here) ---------------
+
+DISABLE_NVML_ENV = "RAYTRAIN_GUARD_DISABLE_NVML"
+"""Set to ``1`` in a node monitor's environment to keep it off NVML (host-only monitoring):
+for a driver that misbehaves under NVML polling, or to rehearse a GPU-less node. Read by
+``raytrain_guard.cluster.node_probes.default_gpu_probe`` when a monitor starts."""
+
+
+def nvml_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """True when :data:`DISABLE_NVML_ENV` is ``1`` in ``environ`` (default: this process)."""
+    return (os.environ if environ is None else environ).get(DISABLE_NVML_ENV) == "1"
 
 
 def _range_fix(name: str, lo, hi, lo_open) -> str:

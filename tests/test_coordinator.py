@@ -137,6 +137,7 @@ def test_node_samples_duplicate_out_of_order_new_epoch_and_ageing():
     assert c.status()["ignored"] == {"stale": 0, "duplicate": 1, "out_of_order": 1,
                                      "malformed": 1}
     assert c.status()["num_node_samples"] == 3
+    c.report_steps(0, "n1", 0, batch(0, 1))         # n1 runs a rank: its GPUs count
     # n1's sample is 10 monitor intervals old: it no longer drives decisions
     clock.t = 10.5
     assert c.decide(next_apply_step=10) == []

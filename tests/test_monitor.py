@@ -182,5 +182,46 @@ def test_nvml_probe_reads_every_gpu_when_nvml_exists():
         assert g.utilization_frac is None or 0.0 <= g.utilization_frac <= 1.0
         assert g.temperature_c is None or 0 < g.temperature_c < 120
         assert set(g.throttle_reasons) <= {"thermal", "power", "slowdown"}
+    # process_pids: a list of ints (this test holds no CUDA context, so maybe empty) or None
+    assert all(g.process_pids is None or all(isinstance(p, int) for p in g.process_pids)
+               for g in gpus)
     mon = NodeMonitor("gpu-node", gpu_probe=probe, host_probe=ScriptedHostProbe([HOST]))
     assert len(mon.sample()["gpus"]) == len(gpus) and mon.info()["gpu_mode"]
+
+
+def test_psutil_probe_reads_the_container_limit(monkeypatch):
+    """In a container with an 8 GiB cgroup limit and 6 GiB used in it, the host is 8 GiB with
+    at most 2 GiB available, whatever the machine's RAM (the cgroup files are simulated: this
+    machine's container is unlimited)."""
+    import psutil
+
+    import raytrain_guard.host_memory as hm
+    if psutil.virtual_memory().total <= 8 * GiB:
+        pytest.skip("needs a machine with more than 8 GiB of RAM")
+    monkeypatch.setattr(hm, "read_cgroup_memory", lambda: (8 * GiB, 6 * GiB))
+    host = PsutilHostProbe().sample({})
+    assert host.memory_total_bytes == 8 * GiB
+    assert host.memory_available_bytes <= 2 * GiB and host.memory_used_frac >= 0.75
+
+
+def test_scripted_gpus_mark_the_ones_holding_registered_workers():
+    # GPU 0 holds the run's workers, GPU 1 another job's process 999
+    gpus = ScriptedGpuProbe([[GpuSample(0, 50, 100), GpuSample(1, 99, 100, process_pids=(999,))]],
+                            worker_gpus=[0])
+    mon = NodeMonitor("node-i", gpu_probe=gpus, host_probe=ScriptedHostProbe([HOST]))
+    mon.register_worker(222, 1)
+    mon.register_worker(111, 0)
+    got = NodeSample.from_dict(mon.sample()).gpus
+    assert [g.process_pids for g in got] == [(111, 222), (999,)]
+    plain = NodeMonitor("node-j", gpu_probe=ScriptedGpuProbe([[GpuSample(0, 50, 100)]]),
+                        host_probe=ScriptedHostProbe([HOST]))
+    plain.register_worker(111, 0)
+    assert plain.sample()["gpus"][0]["process_pids"] is None     # unknown, as scripted
+
+
+def test_empty_scripts_are_input_errors():
+    from raytrain_guard.errors import InputError
+    with pytest.raises(InputError, match="script"):
+        ScriptedGpuProbe([])
+    with pytest.raises(InputError, match="script"):
+        ScriptedHostProbe([])

@@ -10,9 +10,10 @@ import pytest
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause
-from raytrain_guard.core.node_samples import GpuSample, HostSample, NodeSample, RunSetup
+from raytrain_guard.core.node_samples import (GpuSample, HostSample, NodeSample, RunSetup,
+                                              WorkerMemory)
 from raytrain_guard.core.policy import (ClusterView, PolicyState, RankView, decide,
-                                        default_apply_step)
+                                        default_apply_step, run_gpus)
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import score_ranks
 from raytrain_guard.units import GiB
@@ -153,7 +154,10 @@ def test_rising_memory_stops_before_oom():
 
 def test_nvml_reading_counts_as_device_pressure():
     gpu = GpuSample(index=2, memory_used_bytes=95, memory_total_bytes=100)
-    out = _decide(view({0: rank(0), 1: rank(1)}, {"n1": node("n1", gpus=[gpu])}))
+    # rank 1 runs on n1; no pid information: every GPU of n1 counts, and a note says so
+    out = _decide(view({0: rank(0), 1: rank(1, node="n1")}, {"n1": node("n1", gpus=[gpu])}))
+    assert out.notes == ("node n1: every GPU counts as this run's memory pressure: no train "
+                         "worker of the run is registered with its monitor yet",)
     (d,) = out.decisions
     assert d.action is Action.RELEASE_CACHE
     assert d.step == 60
@@ -234,3 +238,53 @@ def test_scores_agree_with_the_gates_cross_rank_attribution(name, ranks, expecte
     role = {Cause.COMPUTE: RankRole.STRAGGLER_COMPUTE, Cause.DATA: RankRole.STRAGGLER_DATA}
     assert {r: role[s.cause] for r, s in ours.items() if s.excess_frac >= CFG.straggler_frac} \
         == {r: g for r, g in gate.items() if g.name.startswith("STRAGGLER")}
+
+
+# -- which GPUs are this run's -----------------------------------------------------------------
+
+def _gpu(index, used, pids):
+    return GpuSample(index, used, 100, process_pids=pids)
+
+
+def _node_with(workers, gpus):
+    host = HostSample(100 * GiB, 50 * GiB, workers=tuple(WorkerMemory(p, i, 1)
+                                                          for i, p in enumerate(workers)))
+    return NodeSample("n1", 1, "e", 0.0, host, tuple(gpus))
+
+
+RUN_GPU_CASES = [
+    # name, registered worker pids, GPUs (index, used of 100, pids), ranks on the node,
+    # expected GPU indexes, note ending (None: no note)
+    ("only the GPUs holding workers", (11, 12), [(0, 50, (11,)), (1, 99, (99,)), (2, 60, (12, 99))],
+     True, [0, 2], None),
+    ("pids unknown: every GPU", (11,), [(0, 50, (11,)), (1, 99, None)], True, [0, 1],
+     "the GPU probe does not list the processes on its GPUs"),
+    ("no GPU lists a worker: every GPU", (11,), [(0, 50, (7,)), (1, 99, ())], True, [0, 1],
+     "no GPU lists a registered worker's pid (the driver sees another pid namespace?)"),
+    ("ranks but nobody registered: every GPU", (), [(0, 99, (7,))], True, [0],
+     "no train worker of the run is registered with its monitor yet"),
+    ("another job's node: none", (), [(0, 99, (7,))], False, [], None),
+]
+
+
+@pytest.mark.parametrize("name,workers,gpus,runs_ranks,expected,why", RUN_GPU_CASES,
+                         ids=[c[0] for c in RUN_GPU_CASES])
+def test_run_gpus(name, workers, gpus, runs_ranks, expected, why):
+    mine, note = run_gpus(_node_with(workers, [_gpu(*g) for g in gpus]), runs_ranks)
+    assert [g.index for g in mine] == expected
+    if why is None:
+        assert note is None
+    else:
+        assert note == f"node n1: every GPU counts as this run's memory pressure: {why}"
+
+
+def test_another_jobs_full_gpu_is_not_this_runs_pressure():
+    # n1 runs rank 1 (pid 11, on GPU 0 at 50 %); GPU 1 holds another job at 99 %, past the
+    # out-of-memory line 0.98: counted, it would stop the run; filtered, nothing happens
+    n1 = _node_with((11,), [_gpu(0, 50, (11,)), _gpu(1, 99, (99,))])
+    out = _decide(view({0: rank(0), 1: rank(1, node="n1")}, {"n1": n1}))
+    assert out.decisions == () and out.notes == ()
+    # without pid information it would (the safe side): checkpoint and stop
+    blind = _node_with((11,), [_gpu(0, 50, None), _gpu(1, 99, None)])
+    (d,) = _decide(view({0: rank(0), 1: rank(1, node="n1")}, {"n1": blind})).decisions
+    assert d.action is Action.CHECKPOINT_AND_STOP and "node n1 GPU 1 at 99%" in d.reason

@@ -60,11 +60,13 @@ def demo_config(toy: Any, *, epochs: int, rehearse: bool, straggler_delay_s: flo
 
 
 def rehearsal_probes() -> Any:
-    """Every node's GPU probe reads one 80 GiB GPU at ``REHEARSED_GPU_FRAC`` of its memory."""
+    """Every node's GPU probe reads one 80 GiB GPU at ``REHEARSED_GPU_FRAC`` of its memory,
+    holding the node's registered train workers (so it counts as the run's pressure)."""
     from raytrain_guard.cluster.node_probes import ScriptedProbeFactory
     from raytrain_guard.core.node_samples import GpuSample
     total = 80 * GiB
-    return ScriptedProbeFactory([[GpuSample(0, int(REHEARSED_GPU_FRAC * total), total)]])
+    return ScriptedProbeFactory([[GpuSample(0, int(REHEARSED_GPU_FRAC * total), total)]],
+                                worker_gpus=(0,))
 
 
 def run_demo(*, num_workers: int = 2, epochs: int = 12, rehearse: bool = True,

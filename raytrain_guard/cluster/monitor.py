@@ -1,7 +1,7 @@
 """NodeMonitor: samples one node's GPUs and host at a fixed interval (a plain class).
 
-``raytrain_guard.cluster.actors.start_monitors`` makes one Ray actor of it per alive node
-(named ``raytrain_guard:monitor:<node id>``); tests call its methods directly.
+``raytrain_guard.cluster.actors.start_monitors`` makes one Ray actor of it per alive node and
+run (named ``raytrain_guard:monitor:<run id>:<node id>``); tests call its methods directly.
 
 Actor methods (stable; the launcher, the workers and the status CLI call them):
 
@@ -69,6 +69,7 @@ class NodeMonitor:
                 self._gpu_probe = node_probes.default_gpu_probe()
             except Exception as exc:
                 self._host_only(f"{exc}")
+        self._gpu_takes_workers = node_probes.takes_workers(self._gpu_probe)
         self._host_probe = host_probe
         if host_probe is None:
             try:
@@ -100,7 +101,8 @@ class NodeMonitor:
         gpus: tuple = ()
         if self._gpu_probe is not None:
             try:
-                gpus = tuple(self._gpu_probe.sample())
+                gpus = tuple(self._gpu_probe.sample(workers) if self._gpu_takes_workers
+                             else self._gpu_probe.sample())
             except Exception as exc:
                 self._gpu_probe = None
                 self._host_only(f"GPU probe failed: {exc}")

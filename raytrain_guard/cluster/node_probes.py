@@ -1,12 +1,14 @@
 """Node probes: the only code that reads NVML or psutil, plus scripted probes for rehearsals.
 
-A GPU probe has ``sample() -> tuple[GpuSample, ...]``; a host probe has
-``sample(workers: Mapping[int, int | None]) -> HostSample`` where ``workers`` maps each
-registered train-worker pid to its world rank. Probes raise :class:`ProbeError` (or anything
+A host probe has ``sample(workers: Mapping[int, int | None]) -> HostSample`` where ``workers``
+maps each registered train-worker pid to its world rank; a GPU probe has ``sample() ->
+tuple[GpuSample, ...]`` or, to mark the GPUs that hold those workers, ``sample(workers)``.
+A GPU's ``process_pids`` (None when unknown) is how the policy tells this run's GPUs from
+another job's on the same node. Probes raise :class:`ProbeError` (or anything
 else) when they cannot read; the node monitor turns that into host-only mode, never a crash.
 
 Scripted probes ship with the package so a user can rehearse a hot GPU, a throttled one, host
-memory pressure or an NVML failure without the hardware::
+memory pressure, another job's GPU or an NVML failure without the hardware::
 
     gpu = ScriptedGpuProbe([[GpuSample(0, 70 * GiB, 80 * GiB)],
                             [GpuSample(0, 76 * GiB, 80 * GiB, throttle_reasons=("thermal",))]])
@@ -15,12 +17,15 @@ memory pressure or an NVML failure without the hardware::
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
-import os
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from raytrain_guard.config import DISABLE_NVML_ENV, nvml_disabled
 from raytrain_guard.core.node_samples import GpuSample, HostSample, WorkerMemory
-from raytrain_guard.errors import GuardError
+from raytrain_guard.errors import GuardError, InputError
+from raytrain_guard.host_memory import host_memory, private_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +37,8 @@ class ProbeError(GuardError):
 # -- NVML --------------------------------------------------------------------------------------
 
 class NvmlGpuProbe:
-    """Every GPU of this node through NVML: memory, utilization, temperature, power, throttling.
+    """Every GPU of this node through NVML: memory, utilization, temperature, power, throttling,
+    and the pids of the compute processes on it (None when NVML cannot list them).
 
     The constructor initialises NVML and raises :class:`ProbeError` when it is missing or has no
     device to report, so the monitor can fall back to host-only monitoring. Readings that a GPU
@@ -70,11 +76,17 @@ class NvmlGpuProbe:
             power = _optional(lambda: nv.nvmlDeviceGetPowerUsage(handle) / 1000.0)  # mW -> W
             mask = _optional(lambda: nv.nvmlDeviceGetCurrentClocksThrottleReasons(handle)) or 0
             reasons = tuple(r for r, bit in self._reason_bits.items() if mask & bit)
-            out.append(GpuSample(index, int(mem.used), int(mem.total), util, temp, power, reasons))
+            out.append(GpuSample(index, int(mem.used), int(mem.total), util, temp, power, reasons,
+                                 _optional(lambda: self._pids(handle))))
         return tuple(out)
 
+    def _pids(self, handle: Any) -> tuple[int, ...]:
+        """The compute processes on one GPU (pids as the driver sees them: in a container
+        with its own pid namespace they may not match; the policy then counts every GPU)."""
+        return tuple(int(p.pid) for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle))
 
-def _optional(read: Callable[[], float]) -> float | None:
+
+def _optional(read: Callable[[], Any]) -> Any:
     try:
         return read()
     except Exception:
@@ -84,11 +96,13 @@ def _optional(read: Callable[[], float]) -> float | None:
 # -- psutil ------------------------------------------------------------------------------------
 
 class PsutilHostProbe:
-    """Host memory, swap and CPU, and the private memory of each registered train worker.
+    """Host memory (narrowed to the container's cgroup limit), swap and CPU, and the private
+    memory of each registered train worker.
 
-    A worker's private memory is its USS (``memory_full_info().uss``, pages no other process
-    shares) where the platform allows, else RSS minus shared pages. Its DataLoader workers are
-    its child processes, found fresh at every sample (they come and go with epochs).
+    Memory comes from :mod:`raytrain_guard.host_memory`: ``host_memory()`` for the host (on
+    Ray-on-Kubernetes the pod's limit, not the machine's RAM) and ``private_bytes(pid)`` (USS,
+    pages no other process shares) per process. A worker's DataLoader workers are its child
+    processes, found fresh at every sample (they come and go with epochs).
     """
 
     def __init__(self) -> None:
@@ -98,32 +112,23 @@ class PsutilHostProbe:
 
     def sample(self, workers: Mapping[int, int | None]) -> HostSample:
         ps = self._psutil
-        vm, sw = ps.virtual_memory(), ps.swap_memory()
+        total, available = host_memory()
+        sw = ps.swap_memory()
         memories = []
         for pid, rank in sorted(workers.items()):
             try:
-                proc = ps.Process(pid)
-                children = proc.children(recursive=True)
-                own = self._private_bytes(proc)
-                loaders = [self._private_bytes(c) for c in children]
-            except (ps.NoSuchProcess, ps.AccessDenied, ps.ZombieProcess):
+                children = ps.Process(pid).children(recursive=True)
+            except ps.Error:
+                continue   # gone: the monitor stops sampling it
+            own = private_bytes(pid)
+            if own is None:
                 continue
+            loaders = [private_bytes(c.pid) for c in children]
             memories.append(WorkerMemory(pid, rank, own, sum(b for b in loaders if b),
                                          len(children)))
-        return HostSample(memory_total_bytes=int(vm.total),
-                          memory_available_bytes=int(vm.available),
+        return HostSample(memory_total_bytes=total, memory_available_bytes=available,
                           swap_used_bytes=int(sw.used), swap_total_bytes=int(sw.total),
                           cpu_frac=ps.cpu_percent(None) / 100.0, workers=tuple(memories))
-
-    def _private_bytes(self, proc) -> int:
-        ps = self._psutil
-        try:
-            return int(proc.memory_full_info().uss)
-        except (ps.AccessDenied, AttributeError):
-            info = proc.memory_info()
-            return int(info.rss - getattr(info, "shared", 0))
-        except (ps.NoSuchProcess, ps.ZombieProcess):
-            return 0
 
 
 # -- scripted probes (tests and rehearsals) ----------------------------------------------------
@@ -132,20 +137,32 @@ class ScriptedGpuProbe:
     """Plays back a script of GPU readings, one entry per sample; the last entry repeats.
 
     An entry that is an exception instance is raised instead (rehearse an NVML failure).
+    ``worker_gpus``: the indexes of the GPUs that hold this node's registered train workers;
+    those GPUs report the workers' pids as ``process_pids`` (added to any scripted ones) and
+    the others report only their scripted pids, so a rehearsal can put another job's hot GPU
+    next to the run's. None (the default) leaves ``process_pids`` as scripted.
     """
 
-    def __init__(self, script: Sequence[Iterable[GpuSample] | BaseException]) -> None:
+    def __init__(self, script: Sequence[Iterable[GpuSample] | BaseException], *,
+                 worker_gpus: Iterable[int] | None = None) -> None:
         if not script:
-            raise ValueError("ScriptedGpuProbe needs at least one entry")
+            raise InputError("script", "ScriptedGpuProbe needs at least one entry", value=script,
+                             fix="pass a list of GPU readings (one list of GpuSample per sample)")
         self._script = list(script)
         self._i = 0
+        self.worker_gpus = None if worker_gpus is None else frozenset(worker_gpus)
 
-    def sample(self) -> tuple[GpuSample, ...]:
+    def sample(self, workers: Mapping[int, int | None] | None = None) -> tuple[GpuSample, ...]:
         entry = self._script[min(self._i, len(self._script) - 1)]
         self._i += 1
         if isinstance(entry, BaseException):
             raise entry
-        return tuple(entry)
+        if self.worker_gpus is None:
+            return tuple(entry)
+        pids = tuple(sorted(workers or ()))
+        return tuple(dataclasses.replace(
+            g, process_pids=tuple(g.process_pids or ()) + (pids if g.index in self.worker_gpus
+                                                           else ())) for g in entry)
 
 
 class ScriptedHostProbe:
@@ -155,7 +172,8 @@ class ScriptedHostProbe:
     def __init__(self, script: Sequence[HostSample | BaseException], *,
                  worker_private_bytes: int = 0) -> None:
         if not script:
-            raise ValueError("ScriptedHostProbe needs at least one entry")
+            raise InputError("script", "ScriptedHostProbe needs at least one entry", value=script,
+                             fix="pass a list of HostSample readings (one per sample)")
         self._script = list(script)
         self._i = 0
         self._worker_bytes = worker_private_bytes
@@ -178,30 +196,45 @@ class ScriptedProbeFactory:
 
     ``gpu_script`` / ``host_script``: the script every node plays back, or a mapping from node
     id to its own script (a node missing from the mapping uses ``default_gpu_script``). A None
-    host script keeps the real psutil host probe. Rehearse a hot or throttled node with it.
+    host script keeps the real psutil host probe. ``worker_gpus``: see
+    :class:`ScriptedGpuProbe`. Rehearse a hot or throttled node with it.
     """
 
     def __init__(self, gpu_script: Sequence | Mapping[str, Sequence] | None,
                  host_script: Sequence | None = None, *,
-                 default_gpu_script: Sequence | None = None) -> None:
+                 default_gpu_script: Sequence | None = None,
+                 worker_gpus: Iterable[int] | None = None) -> None:
         self.gpu_script = gpu_script
         self.host_script = host_script
         self.default_gpu_script = default_gpu_script
+        self.worker_gpus = None if worker_gpus is None else tuple(worker_gpus)
 
     def __call__(self, node_id: str) -> tuple[ScriptedGpuProbe | None, ScriptedHostProbe | None]:
         script = self.gpu_script
         if isinstance(script, Mapping):
             script = script.get(node_id, self.default_gpu_script)
-        gpu = ScriptedGpuProbe(script) if script is not None else None
+        gpu = ScriptedGpuProbe(script, worker_gpus=self.worker_gpus) \
+            if script is not None else None
         host = ScriptedHostProbe(self.host_script) if self.host_script is not None else None
         return gpu, host
 
 
 def default_gpu_probe() -> NvmlGpuProbe:
-    """The real GPU probe; raises ProbeError where NVML is missing."""
-    if os.environ.get("RAYTRAIN_GUARD_DISABLE_NVML") == "1":
-        raise ProbeError("NVML disabled by RAYTRAIN_GUARD_DISABLE_NVML=1")
+    """The real GPU probe; raises ProbeError where NVML is missing or turned off
+    (:data:`~raytrain_guard.config.DISABLE_NVML_ENV`)."""
+    if nvml_disabled():
+        raise ProbeError(f"NVML disabled by {DISABLE_NVML_ENV}=1")
     return NvmlGpuProbe()
+
+
+def takes_workers(probe: Any) -> bool:
+    """True when ``probe.sample`` accepts the registered workers (``sample(workers)``)."""
+    try:
+        params = inspect.signature(probe.sample).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+               for p in params)
 
 
 def default_host_probe() -> PsutilHostProbe:

@@ -17,7 +17,12 @@ THROTTLE_REASONS = ("thermal", "power", "slowdown")
 
 @dataclass(frozen=True)
 class GpuSample:
-    """One GPU as NVML sees it. NVML's used memory counts every process and the CUDA context."""
+    """One GPU as NVML sees it. NVML's used memory counts every process and the CUDA context.
+
+    ``process_pids``: the pids of the compute processes on this GPU (NVML's
+    ``nvmlDeviceGetComputeRunningProcesses``), so the policy can count only the GPUs that hold
+    this run's workers; None when the probe cannot tell.
+    """
 
     index: int
     memory_used_bytes: int
@@ -26,6 +31,7 @@ class GpuSample:
     temperature_c: float | None = None
     power_w: float | None = None
     throttle_reasons: tuple[str, ...] = ()
+    process_pids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.memory_total_bytes <= 0 or self.memory_used_bytes < 0:
@@ -106,7 +112,8 @@ class NodeSample:
                 "cpu_frac": self.host.cpu_frac,
                 "workers": [vars(w).copy() for w in self.host.workers],
             },
-            "gpus": [{**vars(g), "throttle_reasons": list(g.throttle_reasons)}
+            "gpus": [{**vars(g), "throttle_reasons": list(g.throttle_reasons),
+                      "process_pids": None if g.process_pids is None else list(g.process_pids)}
                      for g in self.gpus],
         }
 
@@ -124,7 +131,8 @@ class NodeSample:
             swap_total_bytes=int(h.get("swap_total_bytes", 0)),
             cpu_frac=_opt_float(h.get("cpu_frac")),
             workers=tuple(WorkerMemory(**w) for w in h.get("workers", ())))
-        gpus = tuple(GpuSample(**{**g, "throttle_reasons": tuple(g.get("throttle_reasons", ()))})
+        gpus = tuple(GpuSample(**{**g, "throttle_reasons": tuple(g.get("throttle_reasons", ())),
+                                  "process_pids": _opt_ints(g.get("process_pids"))})
                      for g in d.get("gpus", ()))
         return cls(node_id=node_id, seq=int(d["seq"]), monitor_epoch=str(d["monitor_epoch"]),
                    time_s=float(d["time_s"]), host=host, gpus=gpus,
@@ -133,6 +141,10 @@ class NodeSample:
 
 def _opt_float(x: Any) -> float | None:
     return None if x is None else float(x)
+
+
+def _opt_ints(x: Any) -> tuple[int, ...] | None:
+    return None if x is None else tuple(int(v) for v in x)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,10 @@ the decisions would apply at (``next_apply_step``: the lockstep layer's rule cho
 :func:`default_apply_step`). It returns a :class:`PolicyOutcome`: the new decisions (ids are
 given by the coordinator), the new state, the straggler scores and notes for the status page.
 
+Device memory is each rank's own reading and the NVML reading of the GPUs that hold this
+run's workers (:func:`run_gpus`: another job's GPU on a shared node does not count; when the
+pids cannot tell, every GPU counts and a note says so).
+
 Rules, in order (the first device-memory rule that fires wins; host and straggler rules are
 per node and independent):
 
@@ -37,7 +41,7 @@ from typing import Mapping
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
-from raytrain_guard.core.node_samples import NodeSample, RunSetup
+from raytrain_guard.core.node_samples import GpuSample, NodeSample, RunSetup
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import (StragglerScore, TimingSummary, score_summaries,
                                            summarize)
@@ -128,12 +132,18 @@ def default_apply_step(latest_step: int, config: GuardConfig) -> int:
     return ((latest_step + config.report_every_steps) // k + 1) * k
 
 
+STRAGGLER_NOISE_SHARE = 0.5
+"""Share of ``straggler_frac`` below which a data/compute excess is jitter (communication may
+then be blamed), and below which a flagged node counts as recovered: half the threshold, so a
+node hovering at it is flagged once, not at every round."""
+
+
 def decide(view: ClusterView, state: PolicyState, config: GuardConfig,
            next_apply_step: int) -> PolicyOutcome:
     """One policy round (pure). See the module docstring for the rules."""
     scores = score_summaries({r: v.timing for r, v in view.ranks.items()},
-                             min_steps=min(3, config.step_window),
-                             noise_frac=config.straggler_frac / 2)
+                             min_steps=min(config.straggler_min_steps, config.step_window),
+                             noise_frac=config.straggler_frac * STRAGGLER_NOISE_SHARE)
     if state.stop_step is not None:
         return PolicyOutcome((), state, scores, ("stopping: checkpoint_and_stop already decided "
                                                  f"for step {state.stop_step}",))
@@ -149,19 +159,57 @@ def decide(view: ClusterView, state: PolicyState, config: GuardConfig,
 
 # -- device memory -----------------------------------------------------------------------------
 
-def worst_device_pressure(view: ClusterView) -> Pressure | None:
-    """The highest device memory fraction: each rank's latest StepStats, each GPU's NVML reading."""
+def worst_device_pressure(view: ClusterView, notes: list[str] | None = None
+                          ) -> Pressure | None:
+    """The highest device memory fraction: each rank's latest StepStats, and the NVML reading
+    of each GPU that holds this run's workers (:func:`run_gpus`; its notes go to ``notes``)."""
     worst: Pressure | None = None
     for rank in view.ranks.values():
         m = rank.memory
         if m is not None and (worst is None or m.frac > worst.frac):
             worst = Pressure(m.frac, f"rank {rank.world_rank} (node {rank.node_id})",
                              m.slope_per_step, m.step)
-    for node in view.nodes.values():
-        for gpu in node.gpus:
+    rank_nodes = {r.node_id for r in view.ranks.values()}
+    for node_id in sorted(view.nodes):
+        gpus, note = run_gpus(view.nodes[node_id], node_id in rank_nodes)
+        if note is not None and notes is not None:
+            notes.append(note)
+        for gpu in gpus:
             if worst is None or gpu.memory_frac > worst.frac:
-                worst = Pressure(gpu.memory_frac, f"node {node.node_id} GPU {gpu.index}")
+                worst = Pressure(gpu.memory_frac, f"node {node_id} GPU {gpu.index}")
     return worst
+
+
+def run_gpus(node: NodeSample, runs_ranks: bool = True
+             ) -> tuple[tuple[GpuSample, ...], str | None]:
+    """The GPUs of ``node`` that count as this run's memory pressure, and a note when every GPU
+    counts because that cannot be told.
+
+    A GPU counts when its compute processes include a train worker registered with the node's
+    monitor (``host.workers``): another job's full GPU on a shared node is not this run's
+    pressure. A node with no registered worker counts no GPU unless ``runs_ranks`` (ranks
+    report from it: their registration is late or failed). Every GPU counts, with the note,
+    when ranks run there but no worker is registered, the probe did not list pids, or no GPU
+    lists a registered pid (the driver sees another pid namespace): the safe side.
+
+    Example: workers {11, 12}; GPU 0 runs (11,), GPU 1 runs (99,) -> (GPU 0,), no note.
+    """
+    if not node.gpus:
+        return (), None
+    workers = {w.pid for w in node.host.workers} if node.host is not None else set()
+    if not workers:
+        if not runs_ranks:
+            return (), None
+        why = "no train worker of the run is registered with its monitor yet"
+    elif any(g.process_pids is None for g in node.gpus):
+        why = "the GPU probe does not list the processes on its GPUs"
+    else:
+        mine = tuple(g for g in node.gpus if workers.intersection(g.process_pids or ()))
+        if mine:
+            return mine, None
+        why = "no GPU lists a registered worker's pid (the driver sees another pid namespace?)"
+    return node.gpus, (f"node {node.node_id}: every GPU counts as this run's memory pressure: "
+                       f"{why}")
 
 
 def _slope(points: list[tuple[int, float]]) -> float:
@@ -183,7 +231,7 @@ def _cooled(last_apply_step: int | None, latest: int | None, config: GuardConfig
 
 
 def _device_memory(view, state, config, at, latest, decisions, notes) -> PolicyState:
-    p = worst_device_pressure(view)
+    p = worst_device_pressure(view, notes)
     if p is None:
         return state
     pct = f"{p.frac:.0%}"
@@ -291,7 +339,7 @@ def _stragglers(view, state, config, at, scores, decisions) -> PolicyState:
     flagged = set(state.flagged_nodes)
     for node_id in sorted(by_node):
         worst = max(by_node[node_id], key=lambda s: s.excess_frac)
-        if worst.excess_frac < config.straggler_frac / 2:
+        if worst.excess_frac < config.straggler_frac * STRAGGLER_NOISE_SHARE:
             flagged.discard(node_id)
         if worst.excess_frac < config.straggler_frac or node_id in flagged:
             continue
