@@ -6,11 +6,16 @@ Activations (``A``): a given profile of 5000 bytes per sample at micro-batch 2 -
 Reserve off (no CUDA context, no fragmentation) unless a test says otherwise.
 
 Phases (see raytrain_guard.core.memory_model):
-  backward  = P + buffers + O + G_bw + A + comm_bw
-  optimizer = P + buffers + O + G + T + comm_opt
-  rebuild   = P + buffers + O + 2 * buckets          (DDP/zero1 with more than one rank)
-For a non-traced profile G_bw is the first unit's gradients (DDP/zero1: 400 x grad bytes) or 0
-(FSDP: they sit in the reduce-scatter buffers).
+  backward      = P + buffers + O + G_bw + A + comm_bw
+  optimizer     = P + buffers + O + G + T + comm_opt
+  rebuild       = P + buffers + O + 2 * buckets          (DDP/zero1 with more than one rank)
+  late-backward = P + buffers + O + G + comm_late        (FSDP only; activations freed)
+For a non-traced profile G_bw is the first unit's unsharded gradients (DDP/zero1: the largest
+unit, 400 x grad bytes; FSDP: the largest trainable unit, also 400 for M).
+FSDP comm, U = largest unit (400), R = largest trainable unit (unknown for M: U, capped at the
+trainable count): fsdp-full comm_bw = 2 U (all-gather: computed + prefetched), comm_late =
+2 U + 2 R (reduce-scatter buffers exist only late in backward); fsdp-grad-op comm_bw = all
+params unsharded + U (the all-gather buffer while gathering), comm_late = all params + 2 R.
 """
 
 from __future__ import annotations
@@ -77,12 +82,15 @@ STRATEGIES = [
     ("zero1", "fp32", {"backward": 4000 + 3200 + 1600 + 10000 + 4000,
                        "optimizer": 4000 + 3200 + 4000 + 1600 + 4000,
                        "rebuild": 4000 + 3200 + 8000}),
-    # grad-op: P 250*4 = 1000, G 1000, O 2000; comm = unsharded params 4000 + 2 RS 2*400*4
-    ("fsdp-grad-op", "fp32", {"backward": 1000 + 2000 + 0 + 10000 + 4000 + 3200,
-                              "optimizer": 1000 + 2000 + 1000 + 1000}),
-    # full: comm = 2 AG 2*400*4 + 2 RS 2*400*4 = 6400
-    ("fsdp-full", "fp32", {"backward": 1000 + 2000 + 10000 + 6400,
-                           "optimizer": 1000 + 2000 + 1000 + 1000}),
+    # fsdp, fp32: P 250*4 = 1000, G 1000, O 250*8 = 2000, T 250*4 = 1000, G_bw 400*4 = 1600
+    # grad-op: comm_bw = 4000 unsharded + AG 400*4; comm_late = 4000 + 2 RS 2*400*4
+    ("fsdp-grad-op", "fp32", {"backward": 1000 + 2000 + 1600 + 10000 + (4000 + 1600),
+                              "optimizer": 1000 + 2000 + 1000 + 1000,
+                              "late-backward": 1000 + 2000 + 1000 + (4000 + 3200)}),
+    # full: comm_bw = 2 AG 2*400*4 = 3200; comm_late = 3200 + 2 RS 2*400*4 = 6400
+    ("fsdp-full", "fp32", {"backward": 1000 + 2000 + 1600 + 10000 + 3200,
+                           "optimizer": 1000 + 2000 + 1000 + 1000,
+                           "late-backward": 1000 + 2000 + 1000 + 6400}),
     # bf16-master: P 2000, G 2000, O 12000, buckets 2000, G_bw 800, T (fp32 state) 1000*4
     ("ddp", "bf16-master", {"backward": 2000 + 12000 + 800 + 10000 + 2000,
                             "optimizer": 2000 + 12000 + 2000 + 4000 + 2000,
@@ -91,12 +99,15 @@ STRATEGIES = [
     ("zero1", "bf16-master", {"backward": 2000 + 4800 + 800 + 10000 + 2000,
                               "optimizer": 2000 + 4800 + 2000 + 1600 + 2000,
                               "rebuild": 2000 + 4800 + 4000}),
-    # grad-op: P 500, G 500, O 3000; comm = 2000 unsharded + 2*400*2 = 3600
-    ("fsdp-grad-op", "bf16-master", {"backward": 500 + 3000 + 10000 + 3600,
-                                     "optimizer": 500 + 3000 + 500 + 1000}),
-    # full: comm = 2*400*2 + 2*400*2 = 3200
-    ("fsdp-full", "bf16-master", {"backward": 500 + 3000 + 10000 + 3200,
-                                  "optimizer": 500 + 3000 + 500 + 1000}),
+    # fsdp, bf16-master: P 250*2 = 500, G 500, O 250*12 = 3000, T 250*4 = 1000, G_bw 400*2
+    # grad-op: comm_bw = 2000 unsharded + AG 400*2; comm_late = 2000 + 2 RS 2*400*2
+    ("fsdp-grad-op", "bf16-master", {"backward": 500 + 3000 + 800 + 10000 + (2000 + 800),
+                                     "optimizer": 500 + 3000 + 500 + 1000,
+                                     "late-backward": 500 + 3000 + 500 + (2000 + 1600)}),
+    # full: comm_bw = 2*400*2 = 1600; comm_late = 1600 + 2*400*2 = 3200
+    ("fsdp-full", "bf16-master", {"backward": 500 + 3000 + 800 + 10000 + 1600,
+                                  "optimizer": 500 + 3000 + 500 + 1000,
+                                  "late-backward": 500 + 3000 + 500 + 3200}),
 ]
 
 
@@ -136,8 +147,10 @@ def test_grad_accum_keeps_all_gradients_through_backward():
     est = run(TrainingSetup(micro_batch=2, grad_accum=4))
     assert est.phases["backward"] == 4000 + 8000 + 4000 + 10000  # G_bw = all of G
     fsdp = run(TrainingSetup(strategy="fsdp-full", micro_batch=2, grad_accum=4, world_size=4))
-    # no_sync under FSDP keeps unsharded gradients: 1000*4 on top of 1000 + 2000 + 10000 + 6400
-    assert fsdp.phases["backward"] == 1000 + 2000 + 4000 + 10000 + 6400
+    # no_sync under FSDP keeps unsharded gradients: 1000*4 on top of P 1000 + O 2000 + A 10000
+    # + 2 AG 3200; late in backward they are still there (max(G 1000, 4000)) + 2 AG + 2 RS
+    assert fsdp.phases["backward"] == 1000 + 2000 + 4000 + 10000 + 3200
+    assert fsdp.phases["late-backward"] == 1000 + 2000 + 4000 + 6400
 
 
 def test_frozen_parameters_cost_parameter_bytes_only():
@@ -158,8 +171,61 @@ def test_traced_profile_already_holds_backward_gradients():
 def test_uneven_sharding_pads_like_fsdp():
     odd = ModelStats(num_params=1001, num_trainable_params=1001, largest_unit_params=401)
     est = run(TrainingSetup(strategy="fsdp-full", micro_batch=2, world_size=4), model=odd)
-    # ceil(1001/4) = 251: P 1004, O 2008; comm 4*401*4 = 6416
-    assert est.phases["backward"] == 1004 + 2008 + 10000 + 6416
+    # ceil(1001/4) = 251: P 1004, O 2008; G_bw 401*4 = 1604; 2 AG 2*401*4 = 3208
+    assert est.phases["backward"] == 1004 + 2008 + 1604 + 10000 + 3208
+
+
+# FSDP's reduce-scatter buffers hold gradients only: sized by the largest *trainable* unit.
+# ModelStats(1000 params, 500 trainable, largest unit 600 (e.g. a frozen backbone)), fsdp-full
+# on 2 ranks, AdamW foreach, fp32, tiny given activations (1 byte): P 500*4 = 2000,
+# G 250*4 = 1000, O 250*8 = 2000, T 250*4 = 1000, 2 AG 2*600*4 = 4800, G_bw R*4.
+FROZEN_UNITS = [
+    # largest trainable unit R, backward, late-backward
+    (100, 2000 + 2000 + 400 + 1 + 4800, 2000 + 2000 + 1000 + 4800 + 2 * 100 * 4),   # known
+    (250, 2000 + 2000 + 1000 + 1 + 4800, 2000 + 2000 + 1000 + 4800 + 2 * 250 * 4),
+    # unknown: R = min(U 600, trainable 500) = 500, the safe side
+    (None, 2000 + 2000 + 2000 + 1 + 4800, 2000 + 2000 + 1000 + 4800 + 2 * 500 * 4),
+]
+
+
+@pytest.mark.parametrize("largest_trainable,backward,late", FROZEN_UNITS)
+def test_reduce_scatter_buffers_follow_the_largest_trainable_unit(largest_trainable, backward,
+                                                                  late):
+    model = ModelStats(num_params=1000, num_trainable_params=500, largest_unit_params=600,
+                       largest_trainable_unit_params=largest_trainable)
+    tiny = ActivationProfile(bytes_per_sample=1.0, source="given")
+    est = run(TrainingSetup(strategy="fsdp-full", micro_batch=1, world_size=2), model=model,
+              acts=tiny)
+    assert dict(est.phases) == {"backward": backward, "optimizer": 2000 + 2000 + 1000 + 1000,
+                                "late-backward": late}
+    assert est.peak_phase == "late-backward"
+    assert est.breakdown["activations"] == 0
+
+
+def test_fsdp_backward_peak_has_no_reduce_scatter_buffer():
+    # M, fsdp-full, 2 ranks, fp32, traced profile (G_bw 0: its gradients are in the profile):
+    # P 500*4 = 2000, O 500*8 = 4000, A 10000, 2 AG 2*400*4 = 3200 -> 19200; the reduce-scatter
+    # buffers (2*400*4 = 3200) only count late in backward: 2000 + 4000 + G 2000 + 6400 = 14400
+    traced = ActivationProfile(bytes_per_sample=5000.0, source="traced")
+    est = run(TrainingSetup(strategy="fsdp-full", micro_batch=2, world_size=2), acts=traced)
+    assert est.phases["backward"] == 2000 + 4000 + 10000 + 3200
+    assert est.phases["late-backward"] == 2000 + 4000 + 2000 + 6400
+    assert est.peak_phase == "backward"
+    assert est.breakdown["comm"] == 3200
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"num_params": 10, "num_trainable_params": 11}, "num_trainable_params"),
+    ({"num_params": 10, "num_trainable_params": 5, "largest_trainable_unit_params": 6},
+     "largest_trainable_unit_params"),
+    ({"num_params": 10, "num_trainable_params": 5, "largest_trainable_unit_params": -1},
+     "largest_trainable_unit_params"),
+])
+def test_bad_model_stats_are_plan_input_errors(kwargs, field):
+    with pytest.raises(PlanInputError) as err:
+        ModelStats(**kwargs)
+    assert err.value.field == field
+    assert err.value.fix
 
 
 def test_buffers_count_in_every_phase():

@@ -19,6 +19,10 @@ and :func:`estimate` computes each and keeps the largest:
 ``rebuild``
     DDP only (world size > 1): at the start of the second iteration DDP rebuilds its gradient
     buckets, and old and new buckets coexist briefly.
+``late-backward``
+    FSDP only: the end of backward. Activations are freed, every sharded gradient is written,
+    and the reduce-scatter buffers of the largest trainable unit are in flight. (At the start
+    of backward no reduce-scatter buffer exists yet, and a frozen unit never has one.)
 
 Bytes per trainable parameter (``P`` params, ``G`` gradients, ``O`` optimizer; frozen
 parameters only cost ``P``), with ``k`` optimizer state copies (sgd 0, sgd-momentum 1, adam and
@@ -45,10 +49,16 @@ pads its flat parameters):
   ``ZeroRedundancyOptimizer`` never splits a parameter (largest first, to the least loaded rank),
   so one huge parameter can leave a rank with most of the state; DDP buckets as above.
 * ``fsdp-grad-op`` (ZeRO-2): gradients and optimizer state divided by ``N``; the parameters are
-  kept sharded at rest *and* unsharded from forward to the end of backward (counted as ``comm``),
-  plus two reduce-scatter buffers of the largest unit (prefetch).
-* ``fsdp-full`` (ZeRO-3): parameters, gradients and optimizer state divided by ``N``; two
-  all-gather buffers and two reduce-scatter buffers of the largest unit (prefetch).
+  kept sharded at rest *and* unsharded from forward to the end of backward (counted as
+  ``comm``). ``backward`` adds the all-gather buffer of the largest unit (alive next to its
+  unsharded copy while it is gathered); ``late-backward`` adds two reduce-scatter buffers of
+  the largest *trainable* unit instead.
+* ``fsdp-full`` (ZeRO-3): parameters, gradients and optimizer state divided by ``N``.
+  ``backward``: two all-gather buffers of the largest unit (the unit computed and the one
+  prefetched); ``late-backward``: those plus two reduce-scatter buffers of the largest
+  trainable unit. The largest unit's position is unknown, so a prefetch is always assumed
+  (an upper bound: measured on CPU, the MLP whose largest unit comes last in backward is
+  over-predicted).
 
 Gradient accumulation (``grad_accum > 1``): the gradients of earlier micro-steps are alive during
 every later backward (DDP ``no_sync``; FSDP ``no_sync`` keeps them unsharded).
@@ -157,8 +167,8 @@ class MemoryEstimate:
     ``peak_bytes`` is the tensor bytes at the peak (not the plain sum of the categories:
     ``breakdown`` holds each category's bytes *at the peak moment*, plus ``reserve``);
     ``total_bytes = peak_bytes + breakdown["reserve"]``. ``peak_phase`` says when the peak
-    happens ("backward", "optimizer", "rebuild"). ``phases`` holds the tensor bytes of every
-    candidate moment, so a reader can see how close the runner-up is.
+    happens ("backward", "optimizer", "rebuild", "late-backward"). ``phases`` holds the
+    tensor bytes of every candidate moment, so a reader can see how close the runner-up is.
     """
 
     peak_bytes: int
@@ -246,9 +256,17 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
                      f"optimizer state")
 
     # -- communication buffers ---------------------------------------------------------------
+    # FSDP: the all-gather buffers of the unit being computed and of the one prefetched, sized
+    # by the largest unit; the reduce-scatter buffers (current + the one still in flight) hold
+    # gradients only, so they are sized by the largest trainable unit and exist only once a
+    # unit's backward has finished ("late-backward"), never at the start of backward.
     bucket = 0
     comm_bw = 0
     comm_opt = 0
+    comm_late = 0
+    rs_unit = unit if model.largest_trainable_unit_params is None \
+        else model.largest_trainable_unit_params
+    rs_unit = min(rs_unit, trainable)
     if strat in (Strategy.DDP, Strategy.ZERO1):
         if n > 1:
             bucket = trainable * p_b
@@ -259,28 +277,33 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         else:
             notes.append("world size 1: Ray's prepare_model does not wrap DDP, no buckets")
     elif strat is Strategy.FSDP_FULL:
-        comm_bw = 2 * unit * p_b + 2 * (unit if trainable else 0) * p_b
-        notes.append(f"FSDP: 2 all-gather + 2 reduce-scatter buffers of the largest unit "
-                     f"({unit} params), doubled for prefetch")
+        comm_bw = 2 * unit * p_b
+        comm_late = comm_bw + 2 * rs_unit * p_b
+        notes.append(f"FSDP: 2 all-gather buffers of the largest unit ({unit} params) from the "
+                     f"start of backward; 2 reduce-scatter buffers of the largest trainable "
+                     f"unit ({rs_unit} params) only late in backward")
     else:  # FSDP_GRAD_OP
-        unsharded = model.num_params * p_b
-        comm_bw = unsharded + 2 * (unit if trainable else 0) * p_b
-        notes.append("SHARD_GRAD_OP keeps unsharded parameters from forward to the end of "
-                     "backward, plus 2 reduce-scatter buffers of the largest unit")
+        # unsharded parameters from forward to the end of backward, plus the all-gather output
+        # of the unit being gathered in forward (alive next to its unsharded copy: the peak of
+        # a model whose activations peak in forward, e.g. a frozen backbone)
+        comm_bw = model.num_params * p_b + unit * p_b
+        comm_late = model.num_params * p_b + 2 * rs_unit * p_b
+        notes.append(f"SHARD_GRAD_OP keeps unsharded parameters from forward to the end of "
+                     f"backward (+ the all-gather buffer of the largest unit, {unit} params, "
+                     f"while it is gathered); 2 reduce-scatter buffers of the largest "
+                     f"trainable unit ({rs_unit} params) only late in backward")
 
     # -- activations and gradients alive at the backward peak ------------------------------
     acts = activations.at(setup.micro_batch)
+    fsdp = strat in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP)
     if setup.grad_accum > 1:
-        grads_bw = trainable * p_b if strat in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP) \
-            else grads
+        grads_bw = trainable * p_b if fsdp else grads
         notes.append(f"grad_accum={setup.grad_accum}: gradients of earlier micro-steps live "
                      f"through every backward")
     elif activations.source == "traced":
         grads_bw = 0  # the traced profile already holds the gradients alive at its peak
-    else:
-        grads_bw = min(unit, trainable) * p_b  # the first unit's gradients, conservatively
-        if strat in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP):
-            grads_bw = 0  # the unit's unsharded gradients sit in the reduce-scatter buffers
+    else:  # the first unit's unsharded gradients, conservatively
+        grads_bw = (rs_unit if fsdp else min(unit, trainable)) * p_b
     temp = optimizer_temp_bytes(model, setup)
 
     phases = {
@@ -293,6 +316,15 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         "optimizer": dict(params=params, buffers=buffers, grads=grads, optimizer=optimizer,
                           activations=0, temp=temp, comm=comm_opt),
     }
+    if fsdp:
+        # the end of backward: activations freed (those of the first layers and the input batch
+        # are left out), every sharded gradient written, reduce-scatter buffers in flight;
+        # under grad_accum the unsharded gradients of earlier micro-steps are still alive
+        grads_late = max(grads, grads_bw if setup.grad_accum > 1 else 0)
+        phases["late-backward"] = params + buffers + optimizer + grads_late + comm_late
+        parts["late-backward"] = dict(params=params, buffers=buffers, grads=grads_late,
+                                      optimizer=optimizer, activations=0, temp=0,
+                                      comm=comm_late)
     if strat in (Strategy.DDP, Strategy.ZERO1) and n > 1:
         phases["rebuild"] = params + buffers + optimizer + 2 * bucket
         parts["rebuild"] = dict(params=params, buffers=buffers, grads=0, optimizer=optimizer,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raytrain_guard.errors import PlanInputError
+
 
 @dataclass(frozen=True)
 class ModelStats:
@@ -18,6 +20,10 @@ class ModelStats:
     counts tied weights once. ``param_numels`` lists the trainable parameters in the order DDP
     buckets them (reverse registration order), when known; it lets the planner reproduce DDP's
     bucket layout exactly (parameters are never split, so buckets overshoot the cap).
+    ``largest_unit_params`` is the largest FSDP unit (all-gather buffer size);
+    ``largest_trainable_unit_params`` the most trainable parameters one unit holds (its
+    reduce-scatter buffer: FSDP reduce-scatters only gradients, so a frozen unit has none).
+    ``None`` means unknown: the unit is assumed fully trainable (the safe side).
     """
 
     num_params: int
@@ -25,11 +31,22 @@ class ModelStats:
     buffer_bytes: int = 0
     largest_unit_params: int = 0        # largest FSDP wrapping unit (all-gather buffer size)
     param_numels: tuple[int, ...] = ()  # trainable params, DDP bucket order; () if unknown
-    param_bytes_override: int | None = None  # measured parameter bytes, when traced
+    largest_trainable_unit_params: int | None = None  # reduce-scatter buffer size; None: unknown
 
     def __post_init__(self) -> None:
         if self.num_trainable_params > self.num_params:
-            raise ValueError("num_trainable_params cannot exceed num_params")
+            raise PlanInputError("num_trainable_params", f"cannot exceed num_params "
+                                 f"({self.num_params})", value=self.num_trainable_params,
+                                 fix="count only parameters with requires_grad=True, tied "
+                                     "weights once")
+        if self.largest_trainable_unit_params is not None and not (
+                0 <= self.largest_trainable_unit_params <= self.num_trainable_params):
+            raise PlanInputError("largest_trainable_unit_params",
+                                 f"must be between 0 and num_trainable_params "
+                                 f"({self.num_trainable_params})",
+                                 value=self.largest_trainable_unit_params,
+                                 fix="count the trainable parameters of the largest unit, or "
+                                     "leave it None")
 
 
 @dataclass(frozen=True)
@@ -38,13 +55,11 @@ class ActivationProfile:
 
     ``bytes_per_sample`` and ``fixed_bytes`` are for the precision the profile was made in
     (traced profiles: the dtype the model actually ran; analytic: from the precision given).
-    ``temp_bytes`` is the transient, batch-independent working memory seen at the peak
-    (e.g. the optimizer's foreach temporaries), when traced.
+    The optimizer's temporaries are not part of a profile: the memory model computes them.
     """
 
     bytes_per_sample: float
     fixed_bytes: int = 0
-    temp_bytes: int = 0
     source: str = "analytic"            # "analytic" | "traced" | "given"
     notes: tuple[str, ...] = field(default_factory=tuple)
 
