@@ -41,7 +41,6 @@ Known MemTracker limits, where they bite (README notes):
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
 import time
@@ -49,8 +48,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from raytrain_guard.core.memory_model import OptimizerKind, Precision
+from raytrain_guard import factories
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.errors import TraceError
+from raytrain_guard.runtime.model import wrap_units
 
 log = logging.getLogger(__name__)
 
@@ -85,33 +86,8 @@ class TraceResult:
 
 
 def load_object(spec: str | Callable[..., Any], *, field_name: str) -> Callable[..., Any]:
-    """``"package.module:attr"`` (or a callable, returned as is) -> the callable."""
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise TraceError(field_name, "not a 'module:attr' reference", value=spec,
-                         fix="write it as package.module:function, e.g. examples.models:mlp")
-    module_name, attr = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's input
-        raise TraceError(field_name, f"cannot import module {module_name!r} "
-                         f"({_one_line(exc)})", value=spec,
-                         fix="check the module path and that it imports (run it with python "
-                             "-c 'import ...'); the working directory must be on sys.path") \
-            from None
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise TraceError(field_name, f"module {module_name!r} has no attribute {attr!r}",
-                             value=spec, fix="name a function or class defined in that module") \
-                from None
-    if not callable(obj):
-        raise TraceError(field_name, f"{attr!r} is not callable", value=spec,
-                         fix="name a function that returns the model (or the batch)")
-    return obj
+    """:func:`raytrain_guard.factories.load_object`, raising :class:`TraceError`."""
+    return factories.load_object(spec, field_name=field_name, error=TraceError)
 
 
 def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Callable[..., Any],
@@ -480,52 +456,31 @@ def _categories(snapshot) -> dict[str, int]:
     return out
 
 
-def wrap_units(model) -> list:
-    """The modules one would wrap as FSDP units, the way the planner sizes them.
-
-    A transformer-like model (a direct ``ModuleList``/``Sequential`` child with several
-    elements): each element (block) is a unit. Otherwise each direct child with parameters is a
-    unit (a ``Sequential`` child is split into its elements). The root holds the rest (e.g. tied
-    embeddings and head, which must stay in one unit).
-    """
-    import torch
-
-    lists = [c for c in model.children()
-             if isinstance(c, (torch.nn.ModuleList, torch.nn.Sequential)) and len(c) > 1]
-    if lists and not isinstance(model, torch.nn.Sequential):
-        candidates = [m for c in lists for m in c.children()]
-    else:
-        candidates = []
-        for child in model.children():
-            if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) and len(child) > 1:
-                candidates.extend(child.children())
-            else:
-                candidates.append(child)
-    return [m for m in candidates if any(True for _ in m.parameters())]
-
-
 def model_stats_of(model) -> ModelStats:
     """Parameter facts of an ``nn.Module`` (works on fake and meta tensors).
 
     Tied weights count once (``parameters()`` deduplicates); frozen parameters are not
     trainable; ``param_numels`` lists the trainable ones in reverse registration order (DDP's
-    bucket order); the largest unit is the largest of :func:`wrap_units` and of the root's
-    remaining parameters.
+    bucket order); the largest unit is the largest of :func:`wrap_units` (the units FSDP2
+    shards, ``runtime.model``) and of the root's remaining parameters; the largest trainable
+    unit counts only parameters that get a gradient (the reduce-scatter buffer).
     """
     params = list(model.parameters())
     num = sum(p.numel() for p in params)
     trainable = [p for p in params if p.requires_grad]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    sizes, claimed = [], set()
+    units, claimed = [], set()
     for unit in wrap_units(model):
         unit_params = [p for p in unit.parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in unit_params)
-        sizes.append(sum(p.numel() for p in unit_params))
-    sizes.append(sum(p.numel() for p in params if id(p) not in claimed))  # the root unit
+        units.append(unit_params)
+    units.append([p for p in params if id(p) not in claimed])  # the root unit
+    sizes = [sum(p.numel() for p in u) for u in units]
+    trainable_sizes = [sum(p.numel() for p in u if p.requires_grad) for u in units]
     return ModelStats(num_params=num, num_trainable_params=sum(p.numel() for p in trainable),
                       buffer_bytes=buffers, largest_unit_params=max(sizes) or num,
-                      param_numels=tuple(p.numel() for p in reversed(trainable)),
-                      param_bytes_override=sum(p.numel() * p.element_size() for p in params))
+                      largest_trainable_unit_params=max(trainable_sizes),
+                      param_numels=tuple(p.numel() for p in reversed(trainable)))
 
 
 def _result(runs, stats, loss_desc, mode, precision, optimizer, errors, elapsed) -> TraceResult:
@@ -552,8 +507,6 @@ def _result(runs, stats, loss_desc, mode, precision, optimizer, errors, elapsed)
         warnings.append("activations did not grow with the micro-batch: check that the sample "
                         "factory's batch dimension is dim 0")
     profile = ActivationProfile(bytes_per_sample=max(per_sample, 0.0), fixed_bytes=fixed,
-                                temp_bytes=max(0, peak_snap["optimizer"] - runs[0][1][0][1]
-                                               ["optimizer"]) if phase == "optimizer" else 0,
                                 source="traced", notes=tuple(notes))
     for w in warnings:
         log.warning("trace: %s", w)

@@ -60,6 +60,7 @@ def test_mlp_counts_and_ddp_order(mlp_trace):
     # reverse registration order, DDP's bucket order
     assert stats.param_numels == (256, 131072, 512, 524288, 1024, 524288)
     assert stats.largest_unit_params == 512 * 1024 + 1024
+    assert stats.largest_trainable_unit_params == 512 * 1024 + 1024  # all trainable
     assert mlp_trace.mode == "fake"
     assert mlp_trace.activations.source == "traced"
 
@@ -104,6 +105,9 @@ def test_frozen_backbone_fine_tune():
     assert stats.num_trainable_params == 264456
     assert stats.num_params == 940800 + 264456
     assert stats.param_numels == (8, 2048, 256, 262144)
+    # units: the whole backbone (frozen: no reduce-scatter buffer), and the head's two Linears
+    assert stats.largest_unit_params == 940800
+    assert stats.largest_trainable_unit_params == 1024 * 256 + 256
     # no gradient and no optimizer state for the frozen backbone: 264456 * 8 bytes + step scalars
     assert 264456 * 8 <= res.breakdown["optimizer"] <= 264456 * 8 + 4 * 4
     assert res.peak_bytes == measured_peak(models.finetune, models.finetune_batch, 8)
@@ -210,7 +214,8 @@ def test_trace_allocates_no_model_memory():
 
 
 def test_largest_unit_is_the_root_when_embeddings_outweigh_a_block():
-    from raytrain_guard.trace import model_stats_of, wrap_units
+    from raytrain_guard.runtime.model import wrap_units
+    from raytrain_guard.trace import model_stats_of
 
     with torch.device("meta"):
         model = models.gpt_1b()
@@ -219,8 +224,22 @@ def test_largest_unit_is_the_root_when_embeddings_outweigh_a_block():
     #        + fc1 2048*8192 + 8192 + fc2 8192*2048 + 2048 = 50358272
     # root: tok 50304*2048 (the tied head counted once) + pos 1024*2048 + ln_f 4096 = 105123840
     stats = model_stats_of(model)
-    assert stats.largest_unit_params == 105123840
+    assert stats.largest_unit_params == stats.largest_trainable_unit_params == 105123840
     assert stats.num_params == 24 * 50358272 + 105123840
+
+
+def test_wrap_units_never_returns_a_container_without_forward():
+    from raytrain_guard.runtime.model import wrap_units
+
+    class Dicts(nn.Module):  # blocks in a ModuleDict, a one-element ModuleList: no forward
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 2)})
+            self.one = nn.ModuleList([nn.Linear(4, 4)])
+            self.norm = nn.LayerNorm(4)
+
+    units = wrap_units(Dicts())
+    assert [type(u).__name__ for u in units] == ["Linear", "Linear", "Linear", "LayerNorm"]
 
 
 def test_bad_micro_batches():

@@ -8,7 +8,8 @@
 - ``fsdp-grad-op`` and ``fsdp-full``: FSDP2 (``torch.distributed.fsdp.fully_shard``), on CPU with
   gloo too. Ray's ``prepare_model(parallel_strategy="fsdp")`` is FSDP1 and needs CUDA, so Ray
   only moves the module to the device (``parallel_strategy=None``) and the sharding is ours.
-  Each direct child that holds parameters becomes one FSDP unit, then the root.
+  Each module of :func:`wrap_units` (the units the planner sizes: a transformer's blocks, not
+  the ``ModuleList`` that holds them) becomes one FSDP unit, then the root.
   ``fsdp-grad-op`` keeps parameters gathered between forward and backward
   (``reshard_after_forward=False``, ZeRO-2); ``fsdp-full`` reshards them (ZeRO-3).
 
@@ -172,31 +173,66 @@ def _wrap_fsdp2(model: Any, strategy: Strategy, device: Any, use_ray: bool,
         model = model.to(device)
     mesh = init_device_mesh(device.type, (world_size,))
     reshard = strategy == Strategy.FSDP_FULL
-    units = 0
-    for child in model.children():
-        if any(p.requires_grad for p in child.parameters()):
-            fully_shard(child, mesh=mesh, reshard_after_forward=reshard)
-            units += 1
+    units = wrap_units(model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     logger.info("sharded model with FSDP2 (%s): %d units + root, reshard_after_forward=%s",
-                strategy.value, units, reshard)
+                strategy.value, len(units), reshard)
     return PlannedModel(model, model, strategy, KIND_FSDP2, None, False,
-                        {"world_size": world_size, "fsdp_units": units + 1,
+                        {"world_size": world_size, "fsdp_units": len(units) + 1,
                          "reshard_after_forward": reshard})
+
+
+def wrap_units(model: Any) -> list[Any]:
+    """The modules that become FSDP2 units: what :func:`_wrap_fsdp2` shards and what the
+    planner sizes (``trace.model_stats_of`` -> ``ModelStats.largest_unit_params``).
+
+    A transformer-like model (a direct ``ModuleList``/``Sequential`` child with several
+    elements, the model itself not a ``Sequential``): each element (block) is a unit. Otherwise
+    each direct child with parameters is a unit; a ``Sequential`` child with several elements
+    is split into its elements. Containers without ``forward`` (``ModuleList``, ``ModuleDict``)
+    are never units themselves (``fully_shard`` rejects them): their elements are. The root
+    holds the rest (e.g. tied embeddings and head, which must stay in one unit).
+    """
+    import torch
+
+    no_forward = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+    def is_list(module: Any) -> bool:
+        return isinstance(module, no_forward) or (
+            isinstance(module, torch.nn.Sequential) and len(module) > 1)
+
+    lists = [c for c in model.children()
+             if isinstance(c, (torch.nn.ModuleList, torch.nn.Sequential)) and len(c) > 1]
+    if lists and not isinstance(model, torch.nn.Sequential):
+        candidates = [m for c in lists for m in c.children()]
+    else:
+        candidates = []
+        for child in model.children():
+            candidates.extend(child.children() if is_list(child) else [child])
+    units = []
+    for module in candidates:  # a nested container (ModuleList in a ModuleList): its elements
+        units.extend(module.children() if isinstance(module, no_forward) else [module])
+    return [m for m in units if any(True for _ in m.parameters())]
 
 
 def wrap_optimizer(planned: PlannedModel, optimizer: Any) -> Any:
     """Under ``zero1``, re-create ``optimizer`` as a ZeroRedundancyOptimizer (state sharded).
 
-    The user's optimizer class and its defaults (lr, betas, weight decay ...) are kept; other
-    strategies get the optimizer back unchanged.
+    The user's optimizer class, its defaults and every parameter group with its own settings
+    (lr, weight decay ...) are kept; other strategies get the optimizer back unchanged.
     """
     if planned.strategy != Strategy.ZERO1 or planned.kind != KIND_DDP:
         return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **optimizer.defaults)
+    groups = [dict(group, params=list(group["params"])) for group in optimizer.param_groups]
+    zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer),
+                                   **{k: v for k, v in groups[0].items() if k != "params"})
+    for group in groups[1:]:
+        zero.add_param_group(group)
+    return zero
 
 
 def _in_ray_train_worker() -> bool:
