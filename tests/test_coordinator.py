@@ -200,3 +200,39 @@ def test_window_memory_is_bounded():
     for first in range(1, 1001, 10):
         c.report_steps(0, "n0", 0, batch(0, first))
     assert len(c._ranks[0].window) == 20 and len(c._ranks[0].batches) <= 8
+
+
+def test_attempts_are_issued_without_clocks_and_adopted_after_a_restart():
+    c = coordinator()
+    assert c.next_attempt() == 1                   # rank 0 of the first group asks
+    c.report_steps(0, "n0", 1, batch(0, 1))
+    assert c.next_attempt() == 2                   # the group restarted: rank state cleared
+    assert c.status()["ranks"] == {}
+    c.report_steps(0, "n0", 1, batch(0, 11))       # a late report of the dead group: stale
+    c.report_steps(0, "n0", 2, batch(0, 1))
+    assert c.status()["ignored"]["stale"] == 1 and list(c.status()["ranks"]) == [0]
+    # the coordinator restarts (persists nothing): it adopts the attempt the reports carry...
+    again = coordinator()
+    again.report_steps(0, "n0", 2, batch(0, 11))
+    assert again.status()["attempt"] == 2 and again.status()["ignored"]["stale"] == 0
+    # ...and the next group gets a larger number than any seen, whatever the clocks say
+    assert again.next_attempt() == 3
+    # once it issued one, a larger attempt it did not issue is from before its restart: stale
+    again.report_steps(0, "n0", 7, batch(0, 21))
+    again.report_steps(0, "n0", 3, batch(0, 1))
+    st = again.status()
+    assert st["attempt"] == 3 and st["ignored"]["stale"] == 1 and st["ranks"][0]["step"] == 10
+
+
+def test_reports_as_rows_in_step_field_order():
+    from raytrain_guard.cluster.client import _row
+    from raytrain_guard.cluster.coordinator import STEP_FIELDS
+    s = StepStats(step=4, total_s=1.0, data_wait_s=0.1, forward_s=0.2, backward_s=0.3,
+                  comm_wait_s=0.15, optimizer_s=0.05, memory_frac=0.5, world_rank=1)
+    assert _row(s) == tuple(getattr(s, f) for f in STEP_FIELDS)   # the client's row order
+    c = coordinator()
+    c.report_steps(1, "n0", 0, [_row(s)])
+    c.report_steps(1, "n0", 0, [(5, 1.0)])                         # a short row: malformed
+    st = c.status()
+    assert st["ranks"][1]["step"] == 4 and st["ranks"][1]["memory_frac"] == 0.5
+    assert st["ignored"]["malformed"] == 1

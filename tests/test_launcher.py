@@ -78,3 +78,24 @@ def test_run_summary_round_trips_to_dict():
     s = RunSummary(run_id="r", steps=1, total_steps=1, world_size=1, global_batch=1, wall_s=1.0,
                    samples_per_s=None, step_p50_s=None, step_p99_s=None, data_wait_frac=None)
     assert s.to_dict()["run_id"] == "r" and "-" in s.format()
+
+
+def test_effective_config_is_one_config_from_config_and_guard():
+    import pytest
+
+    from raytrain_guard.cluster.launcher import effective_config
+    from raytrain_guard.config import GuardConfig
+    from raytrain_guard.errors import ConfigError, InputError
+    base = GuardConfig(lockstep_every_steps=5)
+    assert effective_config(None, None) == GuardConfig()
+    assert effective_config(base, None) is base
+    # a GuardConfig as the loop's guard is the run's config (dict(guard) raised TypeError)
+    given = GuardConfig(memory_watermark_frac=0.8)
+    assert effective_config(base, given) is given
+    # a dict replaces single fields of config: K=5 stays, the watermark changes
+    merged = effective_config(base, {"memory_watermark_frac": 0.8})
+    assert (merged.lockstep_every_steps, merged.memory_watermark_frac) == (5, 0.8)
+    with pytest.raises(ConfigError, match="memory_watermark_fra"):
+        effective_config(base, {"memory_watermark_fra": 0.8})
+    with pytest.raises(InputError, match="guard"):
+        effective_config(base, 0.8)

@@ -1,18 +1,20 @@
 """Turning the monitor and the coordinator into Ray actors (the only module here that starts them).
 
 * :func:`start_monitors` (namespace, run_id, config, probe_factory) -> ``{node_id: handle}``:
-  one :class:`~raytrain_guard.cluster.monitor.NodeMonitor` per alive node, ``num_cpus=0``,
-  pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, named
-  ``raytrain_guard:monitor:<node id>`` in the namespace, ``get_if_exists=True`` (calling it
-  again adds monitors to new nodes only), ``max_restarts=-1``. Each samples every
-  ``monitor_interval_s`` and sends its samples to the run's coordinator, fire-and-forget.
+  one :class:`~raytrain_guard.cluster.monitor.NodeMonitor` per alive node for the run,
+  ``num_cpus=0``, pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, named
+  ``raytrain_guard:monitor:<run id>:<node id>`` in the namespace, ``get_if_exists=True``
+  (calling it again adds monitors to new nodes only), ``max_restarts=-1``. Each samples every
+  ``monitor_interval_s`` and sends its samples to its run's coordinator, fire-and-forget; two
+  runs in one namespace each have their own monitors.
   The actor has NodeMonitor's methods plus ``where() -> str`` (the node it runs on).
 * :func:`start_coordinator` (namespace, run_id, config) -> handle: the
   :class:`~raytrain_guard.cluster.coordinator.Coordinator` named
   ``raytrain_guard:coordinator:<run id>``, ``num_cpus=0``, ``max_restarts``.
-* :func:`stop_all` (namespace, run_id=None): kill the monitors and the coordinator(s).
-* :func:`register_worker_with_monitor` (namespace, world_rank): from a train worker, ask this
-  node's monitor to sample its private memory and its DataLoader workers'.
+* :func:`stop_all` (namespace, run_id=None): kill the run's monitors and coordinator (every
+  run's when None).
+* :func:`register_worker_with_monitor` (namespace, run_id, world_rank): from a train worker,
+  ask its run's monitor on this node to sample its private memory and its DataLoader workers'.
 
 Monitors are keyed on Ray's node id, never on IP-based node ranks (nodes may share an IP).
 """
@@ -33,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 MONITOR_PREFIX = "raytrain_guard:monitor:"
 MAX_INFLIGHT_SAMPLES = 8
-"""Samples a monitor lets go unanswered before it drops new ones (a slow coordinator)."""
+"""Samples a monitor lets go unanswered before it drops new ones (a slow coordinator). Not a
+user knob: 8 samples are 8 monitor intervals of slack, far beyond a healthy round trip."""
 
 ProbeFactory = Callable[[str], "tuple[Any, Any]"]
 """``probe_factory(node_id) -> (gpu_probe, host_probe)``; None in a slot builds the real probe.
@@ -44,9 +47,9 @@ __all__ = ["MONITOR_PREFIX", "COORDINATOR_PREFIX", "monitor_name", "coordinator_
            "register_worker_with_monitor", "CoordinatorSink"]
 
 
-def monitor_name(node_id: str) -> str:
-    """``raytrain_guard:monitor:<node id>``."""
-    return f"{MONITOR_PREFIX}{node_id}"
+def monitor_name(run_id: str, node_id: str) -> str:
+    """``raytrain_guard:monitor:<run id>:<node id>``."""
+    return f"{MONITOR_PREFIX}{run_id}:{node_id}"
 
 
 def alive_node_ids() -> list[str]:
@@ -58,14 +61,15 @@ class CoordinatorSink:
     """Sends a monitor's samples to the run's coordinator, fire-and-forget, never raising.
 
     The handle is looked up by name lazily (again at most every ``retry_after_s`` after a
-    failure); at most ``MAX_INFLIGHT_SAMPLES`` calls stay unanswered, beyond that a sample is
-    dropped and counted.
+    failure, default ``GuardConfig.coordinator_retry_s``); at most ``MAX_INFLIGHT_SAMPLES``
+    calls stay unanswered, beyond that a sample is dropped and counted.
     """
 
-    def __init__(self, namespace: str, run_id: str, *, retry_after_s: float = 5.0,
+    def __init__(self, namespace: str, run_id: str, *, retry_after_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.namespace, self.name = namespace, coordinator_name(run_id)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s = (GuardConfig().coordinator_retry_s if retry_after_s is None
+                              else retry_after_s)
         self._clock = clock
         self._handle: Any = None
         self._next_lookup = -float("inf")
@@ -127,7 +131,9 @@ class _MonitorActor(NodeMonitor):
             logger.warning("[node %s] Ray metrics unavailable (%r)", node_id[:12], exc)
             metrics = None
         super().__init__(node_id, config, gpu_probe=gpu_probe, host_probe=host_probe,
-                         sink=CoordinatorSink(namespace, run_id), metrics=metrics,
+                         sink=CoordinatorSink(namespace, run_id,
+                                              retry_after_s=config.coordinator_retry_s),
+                         metrics=metrics,
                          autostart=True)
 
     def where(self) -> str:
@@ -152,7 +158,7 @@ class _CoordinatorActor(Coordinator):
 def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = None,
                    probe_factory: ProbeFactory | None = None, *, max_restarts: int = -1,
                    ready_timeout_s: float | None = 60.0) -> dict[str, Any]:
-    """One monitor per alive node; returns ``{node_id: handle}``. Idempotent.
+    """One monitor of ``run_id`` per alive node; returns ``{node_id: handle}``. Idempotent.
 
     With ``ready_timeout_s`` it waits for every monitor to answer a ping (a monitor that does
     not is logged and still returned: monitoring fails open).
@@ -165,7 +171,7 @@ def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = Non
     handles = {}
     for node_id in alive_node_ids():
         handles[node_id] = cls.options(
-            name=monitor_name(node_id), namespace=namespace, get_if_exists=True, num_cpus=0,
+            name=monitor_name(run_id, node_id), namespace=namespace, get_if_exists=True, num_cpus=0,
             max_restarts=max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(node_id, config, namespace, run_id, probe_factory)
@@ -189,17 +195,19 @@ def start_coordinator(namespace: str, run_id: str, config: GuardConfig | None = 
 
 
 def stop_all(namespace: str, run_id: str | None = None) -> list[str]:
-    """Kill every monitor in ``namespace`` and the coordinator of ``run_id`` (all coordinators
-    in the namespace when None), without restart. Returns the names killed."""
+    """Kill the monitors and the coordinator of ``run_id`` in ``namespace`` (every run's when
+    None), without restart; another run's actors are left alone. Returns the names killed."""
     import ray
     killed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name = entry.get("name", "")
         if entry.get("namespace") != namespace:
             continue
-        wanted = name.startswith(MONITOR_PREFIX) or (
-            name == coordinator_name(run_id) if run_id is not None
-            else name.startswith(COORDINATOR_PREFIX))
+        if run_id is None:
+            wanted = name.startswith((MONITOR_PREFIX, COORDINATOR_PREFIX))
+        else:
+            wanted = name == coordinator_name(run_id) or (
+                name.startswith(monitor_name(run_id, "")))
         if not wanted:
             continue
         try:
@@ -210,16 +218,15 @@ def stop_all(namespace: str, run_id: str | None = None) -> list[str]:
     return killed
 
 
-def register_worker_with_monitor(namespace: str, world_rank: int | None = None,
+def register_worker_with_monitor(namespace: str, run_id: str, world_rank: int | None = None,
                                  pid: int | None = None) -> bool:
-    """From a train worker: ask this node's monitor to sample this process (fire-and-forget).
-
-    Returns False (and training goes on) when there is no monitor on this node.
+    """From a train worker: ask its run's monitor on this node to sample this process
+    (fire-and-forget). Returns False (and training goes on) when there is no such monitor.
     """
     import ray
     node_id = ray.get_runtime_context().get_node_id()
     try:
-        handle = ray.get_actor(monitor_name(node_id), namespace=namespace)
+        handle = ray.get_actor(monitor_name(run_id, node_id), namespace=namespace)
         handle.register_worker.remote(os.getpid() if pid is None else pid, world_rank)
         return True
     except Exception as exc:  # noqa: BLE001 - fail open

@@ -2,14 +2,21 @@
 
 :class:`CoordinatorClient` runs inside every training worker. It never blocks a step:
 
-- ``record(stats)`` buffers :class:`~raytrain_guard.core.steps.StepStats`; every
-  ``report_every_steps`` of them go to the coordinator in one fire-and-forget ``.remote()``
-  call (at most ``MAX_INFLIGHT_REPORTS`` unanswered; beyond that a batch is dropped and counted);
-- ``poll_decisions()`` asks ``decisions_since(cursor)`` once per report batch and collects the
-  answer with ``ray.wait(timeout=0)`` when it has arrived, never waiting for it;
+- ``record(stats)`` keeps the :class:`~raytrain_guard.core.steps.StepStats` objects as they
+  are; every ``report_every_steps`` of them are turned into rows (``STEP_FIELDS`` order, no
+  ``asdict``) and go to the coordinator in one fire-and-forget ``.remote()`` call (at most
+  ``MAX_INFLIGHT_REPORTS`` unanswered; beyond that a batch is dropped and counted), with one
+  ``decisions_since(cursor)`` request when none is outstanding;
+- ``poll_decisions()`` collects finished calls with one ``ray.wait(timeout=0)``, never waiting.
+  :class:`LockstepDecisionSource` calls it only at the lockstep's agreement steps, where the
+  decisions are needed: no Ray call on the other steps;
 - any failure (coordinator dead, restarting, not started yet, Ray gone) drops the handle; the
-  lookup by name is retried lazily, at most once per ``retry_after_s`` of the injected clock.
-  Meanwhile training goes on under the local gate rules: the guard fails open.
+  lookup by name is retried lazily, at most once per ``GuardConfig.coordinator_retry_s`` of the
+  injected clock. Meanwhile training goes on under the local gate rules: the guard fails open.
+
+The attempt number every rank reports with is issued by the coordinator (``next_attempt``,
+asked by rank 0) and agreed by all ranks in one collective that also agrees whether every rank
+could start its decision source, so either all ranks run the lockstep or none does.
 
 :class:`LockstepDecisionSource` is the ``decision_source`` seam of the shared train loop
 (``poll(step, stats) -> list[Decision]``): it feeds the client, hands fetched decisions to
@@ -24,7 +31,8 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from raytrain_guard.cluster.lockstep import Lockstep
+from raytrain_guard.cluster.lockstep import Lockstep, is_agreement_step
+from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Decision
 from raytrain_guard.core.steps import StepStats
 
@@ -32,6 +40,12 @@ logger = logging.getLogger(__name__)
 
 COORDINATOR_PREFIX = "raytrain_guard:coordinator:"
 MAX_INFLIGHT_REPORTS = 4
+"""Report calls a rank lets go unanswered before it drops new batches (a slow coordinator must
+not make a rank queue memory). Not a user knob: 4 batches is 4 x report_every_steps steps of
+slack, far beyond a healthy round trip of a few milliseconds."""
+ATTEMPT_TIMEOUT_S = 30.0
+"""How long rank 0 waits for the coordinator's ``next_attempt`` at start, while the other ranks
+wait in the agreement: long enough for Ray to restart a coordinator that died just then."""
 
 
 def coordinator_name(run_id: str) -> str:
@@ -52,7 +66,8 @@ class CoordinatorClient:
                  report_every_steps: int, attempt: int = 0,
                  setup: Callable[[], Mapping[str, Any]] | None = None,
                  lookup: Callable[[str, str | None], Any] = lookup_actor,
-                 clock: Callable[[], float] = time.monotonic, retry_after_s: float = 5.0) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 retry_after_s: float | None = None) -> None:
         self.name = name
         self.namespace = namespace
         self.world_rank = world_rank
@@ -62,12 +77,14 @@ class CoordinatorClient:
         self.setup = setup
         self.lookup = lookup
         self.clock = clock
-        self.retry_after_s = retry_after_s
+        self.retry_after_s = (GuardConfig().coordinator_retry_s if retry_after_s is None
+                              else retry_after_s)
         self._handle: Any = None
         self._next_lookup_at = float("-inf")
-        self._buffer: list[dict[str, Any]] = []
+        self._buffer: list[StepStats] = []
         self._reports: list[Any] = []           # refs of unanswered report_steps calls
         self._fetch: Any = None                 # ref of the unanswered decisions_since call
+        self._arrived: list[Mapping[str, Any]] = []   # fetched, not yet handed out
         self.cursor = 0                         # newest decision id received
         self.num_reports_sent = 0
         self.num_reports_dropped = 0
@@ -79,23 +96,28 @@ class CoordinatorClient:
         return self._handle is not None
 
     def record(self, stats: StepStats | Iterable[StepStats]) -> None:
-        """Buffer one step's (or several steps') figures; send a batch every N steps."""
-        batch = [stats] if isinstance(stats, StepStats) else list(stats)
-        self._buffer.extend(s.to_dict() for s in batch)
+        """Keep one step's (or several steps') figures; send a batch every N steps."""
+        if isinstance(stats, StepStats):
+            self._buffer.append(stats)
+        else:
+            self._buffer.extend(stats)
         if len(self._buffer) < self.report_every_steps:
             return
-        stats_dicts, self._buffer = self._buffer, []
+        batch, self._buffer = self._buffer, []
         handle = self._connect()
         if handle is None:
             self.num_reports_dropped += 1
             return
         if len(self._reports) >= MAX_INFLIGHT_REPORTS:
+            self._arrived.extend(self._take_ready())   # rare: only when replies pile up
+        if len(self._reports) >= MAX_INFLIGHT_REPORTS:
             self.num_reports_dropped += 1       # the coordinator is slow: never queue up
         else:
             setup = self._current_setup()
+            rows = [_row(s) for s in batch]
             try:
                 self._reports.append(handle.report_steps.remote(
-                    self.world_rank, self.node_id, self.attempt, stats_dicts, setup))
+                    self.world_rank, self.node_id, self.attempt, rows, setup))
                 self.num_reports_sent += 1
             except Exception as exc:  # noqa: BLE001 - fail open
                 self._lose(exc)
@@ -119,15 +141,9 @@ class CoordinatorClient:
 
     def poll_decisions(self) -> list[Decision]:
         """Decisions whose fetch has completed since the last call; ``[]`` without waiting."""
-        if self._fetch is None and not self._reports:
-            return []
-        try:
-            ready = self._ready_results()
-        except Exception as exc:  # noqa: BLE001 - fail open
-            self._lose(exc)
-            return []
         out = []
-        for entry in ready:
+        entries, self._arrived = self._arrived + self._take_ready(), []
+        for entry in entries:
             try:
                 decision = Decision.from_dict(entry)
             except (KeyError, ValueError, TypeError) as exc:
@@ -137,6 +153,17 @@ class CoordinatorClient:
             self.cursor = max(self.cursor, decision.decision_id)
             out.append(decision)
         return out
+
+    def _take_ready(self) -> list[Mapping[str, Any]]:
+        """What :meth:`_ready_results` collected; ``[]`` when nothing is outstanding or the
+        coordinator failed (then it is looked up again later)."""
+        if self._fetch is None and not self._reports:
+            return []
+        try:
+            return self._ready_results()
+        except Exception as exc:  # noqa: BLE001 - fail open
+            self._lose(exc)
+            return []
 
     def _ready_results(self) -> list[Mapping[str, Any]]:
         """The one method that touches ``ray.wait``/``ray.get``, always with timeout 0.
@@ -211,10 +238,11 @@ class LockstepDecisionSource:
             self.first_step = step
         if self.client is not None:
             try:
+                if is_agreement_step(step, self.lockstep.every_steps):   # needed now only
+                    self.lockstep.offer(d for d in self.client.poll_decisions()
+                                        if d.step is None or d.step >= self.first_step)
                 if stats:
                     self.client.record(stats)
-                self.lockstep.offer(d for d in self.client.poll_decisions()
-                                    if d.step is None or d.step >= self.first_step)
             except Exception as exc:  # noqa: BLE001 - the guard fails open, lockstep must run
                 logger.warning("decision source: client failed (%r); going on", exc)
         return self.lockstep.poll(step)
@@ -237,15 +265,22 @@ class ClusterDecisionSource:
     Each worker gets a copy; on the first ``poll`` (every rank, same step) it builds its own
     :class:`LockstepDecisionSource`: the rank and node from the worker context, a
     :class:`~raytrain_guard.cluster.lockstep.ProcessGroupExchange` on the default group, a
-    :class:`CoordinatorClient` for ``run_id`` in ``namespace``, an attempt id agreed by all ranks,
-    and a fire-and-forget registration with this node's monitor.
+    :class:`CoordinatorClient` for ``run_id`` in ``namespace``, the attempt number the
+    coordinator issued to rank 0, and a fire-and-forget registration with this node's monitor.
+    Whether every rank got that far is agreed in the attempt's collective: if one rank could
+    not start, no rank runs the lockstep (a lone rank's fallback would pair mismatched
+    collectives).
+
+    ``guard``: the run's :class:`~raytrain_guard.config.GuardConfig` (or a dict of its fields,
+    checked on the workers).
     """
 
-    def __init__(self, run_id: str, namespace: str, guard: Mapping[str, Any] | None = None,
+    def __init__(self, run_id: str, namespace: str,
+                 guard: GuardConfig | Mapping[str, Any] | None = None,
                  *, register_with_monitor: bool = True) -> None:
         self.run_id = run_id
         self.namespace = namespace
-        self.guard = dict(guard or {})
+        self.guard = guard if isinstance(guard, GuardConfig) else dict(guard or {})
         self.register_with_monitor = register_with_monitor
         self._source: LockstepDecisionSource | _NoDecisions | None = None
         self._setup: Callable[[], Mapping[str, Any]] | None = None
@@ -265,37 +300,49 @@ class ClusterDecisionSource:
 
     def poll(self, step: int, stats: Sequence[StepStats] | None = None) -> list[Decision]:
         if self._source is None:
-            try:
-                self._source = self._build()
-            except Exception as exc:  # noqa: BLE001 - fail open; the causes are rank-symmetric
-                logger.warning("decision source could not start (%r): no cluster decisions "
-                               "in this run, the local gate still acts", exc)
-                self._source = _NoDecisions()
+            self._source = self._build()
         return self._source.poll(step, stats)
 
     @property
     def applied(self) -> list[tuple[int, int]]:
         return self._source.applied if self._source is not None else []
 
-    def _build(self) -> LockstepDecisionSource:
+    def _build(self) -> LockstepDecisionSource | _NoDecisions:
+        """On every rank at the same step: the lockstep source, or no cluster decisions on
+        every rank alike (fail open) when any rank could not start."""
         from raytrain_guard.cluster.lockstep import ProcessGroupExchange, SingleRankExchange
-        from raytrain_guard.config import GuardConfig
         from raytrain_guard.runtime.context import current_context
 
-        config = GuardConfig.from_dict(self.guard, source="decision_source guard")
-        ctx = current_context()
-        exchange = ProcessGroupExchange() if ctx.world_size > 1 else SingleRankExchange()
-        attempt = agree_on_attempt(int(time.time() * 1000), ctx.world_size)
+        attempt, problem = 0, None
+        try:
+            config = self.guard if isinstance(self.guard, GuardConfig) else \
+                GuardConfig.from_dict(self.guard, source="decision_source guard")
+            ctx = current_context()
+            exchange = ProcessGroupExchange() if ctx.world_size > 1 else SingleRankExchange()
+            if ctx.world_rank == 0:
+                attempt = fetch_attempt(coordinator_name(self.run_id), self.namespace)
+        except Exception as exc:  # noqa: BLE001 - fail open, agreed below
+            problem = exc
+        try:
+            attempt, started = agree_on_start(attempt, problem is None)
+        except Exception as exc:  # noqa: BLE001 - fail open; a failing collective fails
+            attempt, started, problem = 0, False, problem or exc   # on every rank
+        if not started:
+            logger.warning("decision source could not start (%s): no cluster decisions in "
+                           "this run, the local gate still acts",
+                           repr(problem) if problem is not None else "on another rank")
+            return _NoDecisions()
         if self.register_with_monitor:
             try:
                 from raytrain_guard.cluster.actors import register_worker_with_monitor
-                register_worker_with_monitor(self.namespace, ctx.world_rank)
+                register_worker_with_monitor(self.namespace, self.run_id, ctx.world_rank)
             except Exception as exc:  # noqa: BLE001 - fail open
                 logger.warning("rank %d: monitor registration failed: %r", ctx.world_rank, exc)
         client = CoordinatorClient(coordinator_name(self.run_id), namespace=self.namespace,
                                    world_rank=ctx.world_rank, node_id=ctx.node_id or "local",
                                    report_every_steps=config.report_every_steps,
-                                   attempt=attempt, setup=getattr(self, "_setup", None))
+                                   attempt=attempt, setup=self._setup,
+                                   retry_after_s=config.coordinator_retry_s)
         logger.info("rank %d: lockstep every %d steps, coordinator %s, attempt %d",
                     ctx.world_rank, config.lockstep_every_steps, client.name, attempt)
         return LockstepDecisionSource(
@@ -344,21 +391,35 @@ class _NoDecisions:
         return []
 
 
-def agree_on_attempt(local_id: int, world_size: int) -> int:
-    """The run attempt id every rank reports with: the largest of the ranks' start times (ms).
+def fetch_attempt(name: str, namespace: str | None,
+                  timeout_s: float = ATTEMPT_TIMEOUT_S) -> int:
+    """Rank 0's ask for a new attempt number (``Coordinator.next_attempt``); raises when the
+    coordinator does not answer within ``timeout_s``. Touches ``ray.get``."""
+    import ray
+    return int(ray.get(lookup_actor(name, namespace).next_attempt.remote(), timeout=timeout_s))
 
-    A collective on the default ``torch.distributed`` group (one int64 all_reduce(MAX)) when
-    the world has more than one rank. It grows from one worker-group start to the next, which
-    is what the coordinator needs to tell a new attempt from a stale one.
+
+def agree_on_start(attempt: int, started: bool) -> tuple[int, bool]:
+    """``(attempt, every rank started)`` agreed by all ranks in one collective.
+
+    One ``all_reduce(MAX)`` of ``[attempt, 0 if started else 1]`` on the control plane
+    (:func:`~raytrain_guard.runtime.control_plane.shared_control_plane`: a gloo group, CPU
+    tensors). Rank 0 brings the coordinator's attempt number and the others 0, so the MAX is
+    the issued number; any rank that could not start makes every rank fall back together.
     """
-    if world_size <= 1:
-        return local_id
-    import torch
-    import torch.distributed as dist
+    from raytrain_guard.runtime.control_plane import shared_control_plane
+    agreed, not_started = shared_control_plane().all_reduce_max(int(attempt),
+                                                                0 if started else 1)
+    return agreed, not not_started
 
-    device = None
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([local_id], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
+
+def agree_on_attempt(local_id: int, world_size: int | None = None) -> int:
+    """The attempt number of :func:`agree_on_start` alone, for callers that had only it.
+    ``world_size`` is unused (the control plane knows the world)."""
+    return agree_on_start(local_id, True)[0]
+
+
+def _row(s: StepStats) -> tuple:
+    """One step as the coordinator's report row (``coordinator.STEP_FIELDS`` order)."""
+    return (s.step, s.total_s, s.data_wait_s, s.forward_s, s.backward_s, s.comm_wait_s,
+            s.optimizer_s, s.memory_frac, s.world_rank)

@@ -6,8 +6,11 @@ reports told it, so a restarted coordinator rebuilds itself from the next report
 
 Actor methods (stable; the worker client, the monitors and the status CLI call them):
 
+* ``next_attempt() -> int``: rank 0 of a starting worker group asks for its attempt number
+  (one larger than any this coordinator issued or saw); the ranks agree on it and report with it.
 * ``report_steps(world_rank, node_id, attempt, stats, setup=None) -> None``: a batch of one
-  rank's ``StepStats.to_dict()`` (every ``report_every_steps`` steps, fire-and-forget).
+  rank's step figures (every ``report_every_steps`` steps, fire-and-forget), each a row in
+  :data:`STEP_FIELDS` order (what the client sends) or a ``StepStats.to_dict()``.
   ``setup``: ``{"micro_batch", "grad_accum", "prefetch_factor"}`` as the rank runs now.
 * ``report_node(sample) -> None``: a monitor's ``NodeSample.to_dict()``.
 * ``decide(next_apply_step=None) -> list[dict]``: one policy round now (otherwise rounds run by
@@ -17,10 +20,15 @@ Actor methods (stable; the worker client, the monitors and the status CLI call t
   decisions, counters of ignored reports (what ``raytrain-guard status`` prints).
 * ``ping() -> str``.
 
-Ignored and counted (``status()["ignored"]``): ``stale`` (an earlier attempt of the run),
-``duplicate`` (a batch already received), ``out_of_order`` (steps at or before ones already
-received from that rank), ``malformed`` (unreadable). A report from a *newer* attempt starts
-that attempt: rank windows and policy state are cleared, node samples are kept.
+Ignored and counted (``status()["ignored"]``): ``stale`` (an earlier attempt of the run, or
+one this coordinator did not issue), ``duplicate`` (a batch already received), ``out_of_order``
+(steps at or before ones already received from that rank), ``malformed`` (unreadable).
+
+Attempts use no clock. The coordinator persists nothing, so after a restart it adopts the
+largest attempt the reports carry, until it issues one itself: from then on only the attempt it
+issued last is current (a larger one comes from a group that died before the restart). A new
+attempt (issued, or adopted from a report) clears rank windows and policy state; node samples
+are kept.
 
 Decision ids grow across restarts: they start from the wall clock in microseconds, so a rank's
 cursor from before a restart never hides the new coordinator's decisions.
@@ -43,14 +51,16 @@ from raytrain_guard.core.policy import (ClusterView, PolicyState, RankView, deci
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import StragglerScore
 
+STEP_FIELDS = tuple(StepStats.__dataclass_fields__)
+"""The order of a step row in a report (``StepStats`` field order): the client sends rows, not
+dicts, so a step costs no ``asdict``."""
+
 logger = logging.getLogger(__name__)
 
 MAX_DECISIONS_KEPT = 1000
 """Decisions kept for ``decisions_since``; older ones are dropped (ranks poll every N steps)."""
 RECENT_BATCHES_KEPT = 8
 """Per rank, the (first, last) steps of recent batches, to tell a duplicate from a late batch."""
-NODE_SAMPLE_MAX_AGE_INTERVALS = 10
-"""A node sample older than this many monitor intervals no longer counts (its monitor died)."""
 
 IGNORE_REASONS = ("stale", "duplicate", "out_of_order", "malformed")
 
@@ -84,6 +94,7 @@ class Coordinator:
         self.run_id = str(run_id)
         self.config = config or GuardConfig()
         self.attempt = int(attempt)
+        self._issued_attempt = False     # True once this incarnation issued an attempt
         self._metrics = metrics
         self._apply_step_rule = apply_step_rule
         self._clock = clock
@@ -112,7 +123,7 @@ class Coordinator:
             rank, node, att = _int(world_rank), str(node_id), _int(attempt)
             if not node or rank < 0:
                 raise ValueError("world_rank must be >= 0 and node_id non-empty")
-            batch = [_checked(StepStats.from_dict(d)) for d in stats]
+            batch = [_checked(_step_stats(row)) for row in stats]
             if not batch:
                 raise ValueError("an empty batch")
             steps = [b.step for b in batch]
@@ -126,6 +137,10 @@ class Coordinator:
             self._ignore("stale", f"rank {rank} attempt {att} < {self.attempt}")
             return
         if att > self.attempt:
+            if self._issued_attempt:
+                self._ignore("stale", f"rank {rank} attempt {att}: not issued by this "
+                                      f"coordinator (issued {self.attempt})")
+                return
             self._new_attempt(att)
         entry = self._ranks.get(rank)
         if entry is None or entry.node_id != node:
@@ -168,6 +183,14 @@ class Coordinator:
         self._nodes[s.node_id] = (s, self._clock())
         self.num_node_samples += 1
         self._maybe_decide()
+
+    def next_attempt(self) -> int:
+        """A new attempt number for a starting worker group (its rank 0 asks): one larger than
+        any attempt issued or seen. Rank state is cleared; reports of other attempts are stale
+        from now on."""
+        self._issued_attempt = True
+        self._new_attempt(self.attempt + 1)
+        return self.attempt
 
     # -- decisions ---------------------------------------------------------------------------
     def decide(self, next_apply_step: int | None = None) -> list[dict]:
@@ -215,7 +238,7 @@ class Coordinator:
                 self._warn_once("policy", f"policy round failed ({exc!r}); decisions paused")
 
     def _view(self) -> ClusterView:
-        max_age = NODE_SAMPLE_MAX_AGE_INTERVALS * self.config.monitor_interval_s
+        max_age = self.config.node_sample_max_age_intervals * self.config.monitor_interval_s
         now = self._clock()
         nodes = {n: s for n, (s, at) in self._nodes.items() if now - at <= max_age}
         ranks = {r: e.view for r, e in self._ranks.items() if e.view is not None}
@@ -325,6 +348,15 @@ def _int(x: Any) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise ValueError(f"expected an integer, got {x!r}")
     return x
+
+
+def _step_stats(row: Any) -> StepStats:
+    """A step row (:data:`STEP_FIELDS` order) or a ``StepStats.to_dict()``, as StepStats."""
+    if isinstance(row, (tuple, list)):
+        if len(row) != len(STEP_FIELDS):
+            raise ValueError(f"a step row has {len(STEP_FIELDS)} fields, got {len(row)}")
+        return StepStats(*row)
+    return StepStats.from_dict(row)
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:

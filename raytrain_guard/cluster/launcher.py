@@ -118,9 +118,8 @@ def plan_run(train_loop_config: Mapping[str, Any], *, num_workers: int,
     """
     import os
 
-    import psutil
-
     from raytrain_guard.core.memory_model import TrainingSetup
+    from raytrain_guard.host_memory import host_memory
     from raytrain_guard.core.planner import plan
     from raytrain_guard.runtime.train_loop import LoopConfig
     from raytrain_guard.trace import trace_model
@@ -134,7 +133,7 @@ def plan_run(train_loop_config: Mapping[str, Any], *, num_workers: int,
     optimizer = _optimizer_kind(loop.optimizer_factory)
     traced = trace_model(loop.model_factory, sample_factory, loss=loop.loss_fn,
                          optimizer=optimizer)
-    host = psutil.virtual_memory().total
+    host = host_memory()[0]
     if device_memory_bytes is None:
         if use_gpu:
             raise InputError("device_memory_bytes", "unknown for a GPU run", value=None,
@@ -213,8 +212,10 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     """Plan, start the guard's actors, train, tear down, summarize (see the module docstring).
 
     ``plan``: a planner :class:`Plan` to use instead of tracing the model (``False``: skip
-    planning). ``config``: the guard's config (also handed to every worker; the train loop's
-    own ``guard`` entry, if any, wins there). Ray is initialized (locally, in ``namespace``)
+    planning). ``config`` and the train loop's ``guard`` entry (a :class:`GuardConfig` or a
+    dict of its fields, which wins over ``config``) make one effective config
+    (:func:`effective_config`): the plan, the monitors, the coordinator and every worker use
+    that one, so thresholds and K agree everywhere. Ray is initialized (locally, in ``namespace``)
     unless the caller already did. ``decision_source(run_id, namespace, guard) -> source``
     replaces the default :class:`ClusterDecisionSource` (e.g. a subclass that logs timings).
     """
@@ -228,11 +229,7 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
         raise InputError("num_workers", "must be an integer >= 1", value=num_workers,
                          fix="e.g. num_workers=2")
-    config = config or GuardConfig()
-    guard = dict(train_loop_config.get("guard") or {})
-    if not guard:
-        guard = {k: v for k, v in config.to_dict().items()
-                 if v != getattr(GuardConfig(), k)}
+    config = effective_config(config, train_loop_config.get("guard"))
     if plan is None:
         plan = plan_run(train_loop_config, num_workers=num_workers, use_gpu=use_gpu,
                         device_memory_bytes=device_memory_bytes, config=config)
@@ -244,9 +241,9 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     if not ray.is_initialized():
         ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False)
     loop_config = dict(train_loop_config)
-    loop_config["guard"] = guard
+    loop_config["guard"] = config
     loop_config["decision_source"] = (decision_source or ClusterDecisionSource)(
-        run_id, namespace, guard)
+        run_id, namespace, config)
     start = time.perf_counter()
     status: dict[str, Any] = {}
     watcher = None
@@ -284,6 +281,23 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
                     * num_workers)
     return summarize(run_id, _results_of(result), status, time.perf_counter() - start,
                      plan_line, global_batch)
+
+
+def effective_config(config: GuardConfig | None, guard: Any) -> GuardConfig:
+    """The one config of a run: ``config`` (default :class:`GuardConfig`) with the train loop's
+    ``guard`` over it. ``guard`` may be None, a :class:`GuardConfig` (used as it is) or a dict
+    of fields (each replaces ``config``'s; unknown keys and bad values raise ConfigError)."""
+    base = config or GuardConfig()
+    if guard is None:
+        return base
+    if isinstance(guard, GuardConfig):
+        return guard
+    if not isinstance(guard, Mapping):
+        raise InputError("train_loop_config['guard']", "must be a GuardConfig or a dict of its "
+                         "fields", value=type(guard).__name__,
+                         fix="e.g. {'memory_watermark_frac': 0.85}")
+    return GuardConfig.from_dict({**base.to_dict(), **guard},
+                                 source="train_loop_config['guard']")
 
 
 def _results_of(result: Any) -> dict[str, Any]:
