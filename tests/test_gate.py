@@ -222,14 +222,32 @@ def test_state_dict_round_trip_gives_the_same_decisions():
     for j, (k, f) in enumerate(zip(rest_kinds, rest_fracs)):
         a += whole.observe(stats(k, 100 + j, f))
         b += restored.observe(stats(k, 100 + j, f))
-    assert [d.to_dict() for d in a] == [d.to_dict() for d in b]
     # Before the save: release + pace at 0.88 (index 1); at 0.89 (index 2) the trend through
     # 0.80 0.88 0.89 (slope 0.045/step) predicts 1.025 -> stopped; 0.84 re-armed, pacing ended.
-    # After: 0.88 releases and paces again (never a second stop), the data run completes
-    # (SLOW_STEP), 0.70 ends pacing, the compute run of 3 completes (SLOW_STEP).
+    # After: 0.88 releases and paces again, the data run completes (SLOW_STEP), 0.70 ends
+    # pacing, the compute run of 3 completes (SLOW_STEP). `whole` never stops twice; the
+    # restored gate is a resumed run, whose stop rule is live again ("stopped" is not saved):
+    # at the first 0.88 after the load the rising trend of the kept readings predicts
+    # >= critical, so it asks to stop (decided between release and pace), the only difference.
     assert whole.stopped and restored.stopped
     assert [d.action for d in a] == [R, P, Action.SLOW_STEP, P, Action.SLOW_STEP]
-    assert restored.state_dict() == whole.state_dict()
+    assert [d.action for d in b] == [R, Action.CHECKPOINT_AND_STOP, P, Action.SLOW_STEP, P,
+                                     Action.SLOW_STEP]
+    assert "stopped" not in restored.state_dict()
+    # everything else carried over; the restored gate issued one decision id more (the stop)
+    assert restored.state_dict() == {**whole.state_dict(),
+                                     "next_id": whole.state_dict()["next_id"] + 1}
+
+
+def test_restored_gate_still_stops_after_a_stop():
+    # The final checkpoint of a CHECKPOINT_AND_STOP run is taken after the gate decided the
+    # stop; resuming from it must not switch the critical rule off (0.97 >= critical 0.95).
+    config = GuardConfig()
+    gate = StepGate(config, clock=FakeClock())
+    assert [d.action for d in gate.observe_memory(0, 0.97)][-1] is Action.CHECKPOINT_AND_STOP
+    resumed = StepGate(config, clock=FakeClock())
+    resumed.load_state_dict(json.loads(json.dumps(gate.state_dict())))
+    assert Action.CHECKPOINT_AND_STOP in [d.action for d in resumed.observe_memory(1, 0.97)]
 
 
 def test_load_state_dict_rejects_unknown_version():

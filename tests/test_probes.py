@@ -6,6 +6,7 @@ budget, and ballast memory pushes it over the watermark and the critical line.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -92,6 +93,15 @@ def test_cuda_probe_reads_allocator_counters():
     after = probe.read()
     assert after.used_bytes - before.used_bytes >= 256 * MiB
     del x
+    # the CUDA context the allocator does not see counts: config.cuda_context_bytes on top
+    # of the allocator's figures (1 GiB by default)
+    allocated = torch.cuda.memory_allocated()
+    assert probe.context_bytes == GuardConfig().cuda_context_bytes
+    assert probe.read().used_bytes == allocated + GuardConfig().cuda_context_bytes
+    bare = CudaMemoryProbe(context_bytes=0)
+    assert bare.read().used_bytes == torch.cuda.memory_allocated()
+    small = CudaMemoryProbe(config=GuardConfig(cuda_context_bytes=3 * MiB))
+    assert small.read().reserved_bytes == torch.cuda.memory_reserved() + 3 * MiB
 
 
 # -- fault injector ------------------------------------------------------------------------------
@@ -218,3 +228,34 @@ def test_phase_context_passthrough_and_injected_data_delay():
         guard.end_step(step)
     assert slept == [0.1]
     assert [s.step for s in guard.drain_stats()] == [0, 1, 2]
+
+
+def test_pacing_survives_a_checkpoint_round_trip():
+    # Crossing the watermark at step 1 paces (0.05 s); a guard restored from that state keeps
+    # sleeping before each step (the gate's "pacing" flag alone would not make it sleep),
+    # and stops when memory falls below the re-arm line (0.84 < 0.88 - 0.03).
+    config = GuardConfig(pacing_enabled=True, memory_predict_steps=0)
+    guard = StepGuard(config, probe=ScriptedProbe([0.80, 0.89]), clock=FakeClock())
+    run_steps(guard, range(2))
+    assert guard.pace_delay_s == 0.05
+    slept = []
+    resumed = StepGuard(config, probe=ScriptedProbe([0.89, 0.84, 0.84]), clock=FakeClock(),
+                        sleep=slept.append)
+    resumed.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    run_steps(resumed, range(2, 5))
+    assert slept == [0.05, 0.05]
+    # an older state (gate only) restores without pacing
+    resumed.load_state_dict({"gate": guard.gate.state_dict()})
+    assert resumed.pace_delay_s == 0.0
+
+
+def test_set_pace_is_public_and_checked():
+    slept = []
+    guard = StepGuard(GuardConfig(), sleep=slept.append)
+    guard.set_pace(0.02)
+    guard.begin_step(0)
+    guard.set_pace(0)
+    guard.begin_step(1)
+    assert slept == [0.02]
+    with pytest.raises(InputError, match="delay_s"):
+        guard.set_pace(-1)

@@ -133,7 +133,9 @@ class StepGate:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able) to checkpoint the gate. The release spacing restarts on load:
-        a monotonic clock reading means nothing in another process."""
+        a monotonic clock reading means nothing in another process. ``stopped`` is not kept:
+        the final checkpoint of a CHECKPOINT_AND_STOP would otherwise resume a gate that never
+        stops again, however full memory gets."""
         return {
             "version": _STATE_VERSION,
             "window": [s.to_dict() for s in self._window],
@@ -142,7 +144,6 @@ class StepGate:
             "run_reported": self._run_reported,
             "num_seen": self._num_seen,
             "armed": self._armed,
-            "stopped": self._stopped,
             "pacing": self._pacing,
             "next_id": self._next_id,
         }
@@ -162,7 +163,8 @@ class StepGate:
         self._run_reported = bool(state["run_reported"])
         self._num_seen = int(state["num_seen"])
         self._armed = bool(state["armed"])
-        self._stopped = bool(state["stopped"])
+        self._stopped = False              # a resumed run is protected anew (older states
+                                           # carry "stopped"; it is ignored on purpose)
         self._pacing = bool(state["pacing"])
         self._next_id = int(state["next_id"])
         self._last_release_s = None

@@ -50,26 +50,41 @@ class MemoryReading:
 
 
 class CudaMemoryProbe:
-    """``torch.cuda.memory_allocated`` / ``memory_reserved`` against the card's total memory
-    (``mem_get_info``, read once here). Allocator counters only: no synchronization, no NVML."""
+    """``torch.cuda.memory_allocated`` / ``memory_reserved`` plus the CUDA context, against the
+    card's total memory (``mem_get_info``, read once here). Allocator counters only: no
+    synchronization, no NVML.
+
+    The allocator does not see the CUDA context, cuBLAS/cuDNN workspaces or NCCL buffers, which
+    the planner budgets as ``GuardConfig.cuda_context_bytes``; the probe adds ``context_bytes``
+    (default: ``config.cuda_context_bytes``, else ``GuardConfig().cuda_context_bytes``) to both
+    figures so the gate's fractions count what the card really holds.
+    """
 
     cause = Cause.DEVICE_MEMORY
 
-    def __init__(self, device: Any = None) -> None:
+    def __init__(self, device: Any = None, *, config: GuardConfig | None = None,
+                 context_bytes: int | None = None) -> None:
         import torch
 
         if not torch.cuda.is_available():
             raise InputError("device", "CUDA is not available", value=str(device),
                              fix="use ProcessMemoryProbe on CPU")
+        if context_bytes is None:
+            context_bytes = (config or GuardConfig()).cuda_context_bytes
+        if context_bytes < 0:
+            raise InputError("context_bytes", "must be >= 0", value=context_bytes,
+                             fix="pass the CUDA context size in bytes (or 0)")
         self._torch = torch
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
             else torch.device(device)
         self.total_bytes = int(torch.cuda.mem_get_info(self.device)[1])
+        self.context_bytes = int(context_bytes)
 
     def read(self) -> MemoryReading:
         cuda = self._torch.cuda
-        return MemoryReading(int(cuda.memory_allocated(self.device)),
-                             int(cuda.memory_reserved(self.device)), self.total_bytes)
+        return MemoryReading(int(cuda.memory_allocated(self.device)) + self.context_bytes,
+                             int(cuda.memory_reserved(self.device)) + self.context_bytes,
+                             self.total_bytes)
 
 
 class ProcessMemoryProbe:

@@ -28,13 +28,14 @@ import logging
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
 from raytrain_guard.core.gate import StepGate
 from raytrain_guard.core.steps import StepStats
+from raytrain_guard.errors import InputError
 from raytrain_guard.runtime.timing import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,6 @@ class StepGuard:
         self._stats: deque[StepStats] = deque(maxlen=max(config.step_window,
                                                          config.report_every_steps))
         self._failed: set[str] = set()
-        self.last_reading: Any = None
         if fault_injector is None:
             self.mark = self.timer.mark      # type: ignore[method-assign]  # one call less
 
@@ -105,7 +105,6 @@ class StepGuard:
             try:
                 reading = self.probe.read()
                 frac = reading.frac
-                self.last_reading = reading
             except Exception:  # noqa: BLE001 - the guard fails open
                 self._failed_once("probe")
         try:
@@ -142,12 +141,33 @@ class StepGuard:
         """The pacing sleep now applied before each step (0: not pacing)."""
         return self._pace_delay_s
 
+    def set_pace(self, delay_s: float) -> None:
+        """Sleep ``delay_s`` before each step from the next one on (0 stops pacing): what a
+        PACE decision does, from the local gate or from the cluster layer."""
+        delay = float(delay_s)
+        if not delay >= 0:
+            raise InputError("params['delay_s']", "must be a number >= 0", value=delay_s,
+                             fix="pass the pacing sleep in seconds, 0 to stop pacing")
+        self._pace_delay_s = delay
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-able) to checkpoint the guard: the gate's state and the pacing
+        sleep, which the gate's ``pacing`` flag alone does not restore."""
+        return {"gate": self.gate.state_dict(), "pace_delay_s": self._pace_delay_s}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (a state without ``pace_delay_s``, from
+        an older checkpoint, restores the gate and does not pace)."""
+        if state.get("gate"):
+            self.gate.load_state_dict(state["gate"])
+        self.set_pace(state.get("pace_delay_s", 0.0))
+
     # -- actions -----------------------------------------------------------------------------
     def _apply(self, decision: Decision) -> None:
         if decision.action is Action.RELEASE_CACHE:
             self._guarded("release_cache", release_cache)
         elif decision.action is Action.PACE:
-            self._pace_delay_s = float(decision.params.get("delay_s", 0.0))
+            self._guarded("pace", self.set_pace, decision.params.get("delay_s", 0.0))
         log = logger.warning if decision.action in (Action.CHECKPOINT_AND_STOP,
                                                     Action.SLOW_STEP) else logger.info
         log("%s", decision)
