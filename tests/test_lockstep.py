@@ -6,7 +6,7 @@ import pytest
 
 from raytrain_guard.cluster.lockstep import (
     NO_DECISION, Lockstep, SingleRankExchange, apply_step, is_agreement_step, merge_decisions,
-    newest_pending_id, next_agreement_step, schedule)
+    newest_pending_id, schedule)
 from raytrain_guard.core.decisions import Action, Decision
 from raytrain_guard.errors import InputError
 
@@ -20,14 +20,6 @@ def _d(i: int, step: int | None = None, action: Action = Action.RELEASE_CACHE) -
 ])
 def test_is_agreement_step(step, k, expected):
     assert is_agreement_step(step, k) is expected
-
-
-@pytest.mark.parametrize("step, k, expected", [
-    # the first multiple of k at or after step: ceil(step / k) * k
-    (0, 10, 0), (1, 10, 10), (10, 10, 10), (11, 10, 20), (5, 1, 5), (7, 3, 9),
-])
-def test_next_agreement_step(step, k, expected):
-    assert next_agreement_step(step, k) == expected
 
 
 @pytest.mark.parametrize("coordinator_step, agreed_at, expected", [

@@ -139,7 +139,7 @@ def _nccl_main(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.timeout(180)
-def test_exchange_on_nccl_puts_its_tensors_on_the_gpu(tmp_path):
+def test_exchange_on_nccl_runs_beside_it(tmp_path):
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -149,3 +149,124 @@ def test_exchange_on_nccl_puts_its_tensors_on_the_gpu(tmp_path):
     got = json.loads((tmp_path / "nccl.json").read_text())
     assert got["nothing"] == [] and got["one"][0][0]["decision_id"] == 5
     assert got["attempt"] == 1234
+
+
+# -- the control plane: one round per K steps carries the stop flag and the newest id -----------
+
+LOOP_STEPS, LOOP_K = 12, 4
+
+
+def _loop_main(rank: int, port: int, out_dir: str) -> None:
+    """A real GuardedTrainLoop (toy model, 2 gloo ranks, no Ray) with a lockstep decision
+    source: rank 1 alone hears of a cache release at boundary 1 and a PACE for another node
+    at boundary 2 (both agreed at boundary 4 on both ranks); rank 0 hears of a PACE for this
+    node at boundary 6 (agreed at 8)."""
+    import functools
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import examples.toy as toy
+    from raytrain_guard.cluster.client import LockstepDecisionSource
+    from raytrain_guard.cluster.lockstep import Lockstep, ProcessGroupExchange
+    from raytrain_guard.core.decisions import Action, Decision
+    from raytrain_guard.runtime.context import WorkerContext
+    from raytrain_guard.runtime.train_loop import (DirectoryReporter, GuardedTrainLoop,
+                                                   LoopConfig)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+
+    class OneRankHears(LockstepDecisionSource):
+        def poll(self, step, stats=None):
+            if rank == 1 and step == 1:
+                self.lockstep.offer([Decision(Action.RELEASE_CACHE, "hot", None,
+                                              scope="cluster", decision_id=3)])
+            if rank == 1 and step == 2:
+                self.lockstep.offer([Decision(Action.PACE, "elsewhere", None,
+                                              scope="node:elsewhere", params={"delay_s": 5.0},
+                                              decision_id=4)])
+            if rank == 0 and step == 6:
+                self.lockstep.offer([Decision(Action.PACE, "this node", None,
+                                              scope="node:here", params={"delay_s": 0.001},
+                                              decision_id=5)])
+            return super().poll(step, stats)
+
+    source = OneRankHears(Lockstep(every_steps=LOOP_K, exchange=ProcessGroupExchange(),
+                                   world_rank=rank))
+    config = LoopConfig.from_dict({
+        "model_factory": toy.make_model, "optimizer_factory": toy.make_optimizer,
+        "dataset_factory": functools.partial(toy.make_dataset, 8 * LOOP_STEPS),
+        "loss_fn": toy.loss_fn, "micro_batch": 4, "epochs": 1, "num_workers": 0,
+        "measure_bandwidth": False, "stop_check_every_steps": LOOP_K,
+        "guard": {"lockstep_every_steps": LOOP_K}, "decision_source": source})
+    loop = GuardedTrainLoop(config, reporter=DirectoryReporter(os.path.join(out_dir, "ckpt")),
+                            context=WorkerContext(world_rank=rank, world_size=2,
+                                                  node_id="here"))
+    results = loop.run()
+    mine = [d for d in results["decisions"] if d["world_rank"] == rank]
+    with open(os.path.join(out_dir, f"loop{rank}.json"), "w") as fh:
+        json.dump({"rounds": results["control_rounds"], "steps": results["step"],
+                   "side_group": loop.control.group is not None,
+                   "pace": loop.guard.pace_delay_s,
+                   "decisions": [(d["decision_id"], d["applied_at"], d["applied"])
+                                 for d in mine]}, fh)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_loop_runs_one_control_round_per_k_steps(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_loop_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"loop{rank}.json").read_text())
+        # 12 steps, boundaries 4, 8, 12: three rounds, each carrying both the lockstep's newest
+        # id and the stop flag (a separate stop allreduce would make it six)
+        assert got["steps"] == LOOP_STEPS and got["rounds"] == LOOP_STEPS // LOOP_K, got
+        assert got["side_group"] is False        # the default group is gloo: reused
+        # agreed at boundary 4 on both ranks; the PACE for node "elsewhere" is seen, not applied;
+        # the PACE for this node ("here", the worker context's) paces both ranks from step 8
+        assert got["decisions"] == [[3, 4, True], [4, 4, False], [5, 8, True]], got
+        assert got["pace"] == 0.001
+    # the final checkpoint (rank 0 writes it) keeps each rank's pacing sleep, which a resumed
+    # run restores (the gate's own "pacing" flag alone did not)
+    from raytrain_guard.runtime.checkpoint import read_train_state
+    saved = read_train_state(tmp_path / "ckpt" / f"checkpoint_{LOOP_STEPS}")
+    assert [g["pace_delay_s"] for g in saved["guard"]] == [0.001, 0.001]
+
+
+def _side_group_main(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from raytrain_guard.runtime.control_plane import shared_control_plane
+
+    # "cpu:gloo" is not the plain "gloo" backend: the plane makes its own gloo group, as it
+    # does beside nccl
+    dist.init_process_group("cpu:gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    plane = shared_control_plane()
+    buffer = plane._buffer
+    plane.local_stop = rank == 1
+    first = plane.agree(10 + rank)            # MAX(10, 11) = 11; rank 1 asked to stop
+    stop_first = plane.agreed_stop
+    plane.local_stop = False
+    second = plane.agree(-1)
+    with open(os.path.join(out_dir, f"side{rank}.json"), "w") as fh:
+        json.dump({"side_group": plane.group is not None, "same": shared_control_plane() is plane,
+                   "buffer_kept": plane._buffer is buffer, "device": str(buffer.device),
+                   "got": [first, stop_first, second, plane.agreed_stop, plane.num_rounds]}, fh)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_control_plane_reduces_on_a_gloo_side_group_in_a_cpu_tensor(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_side_group_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"side{rank}.json").read_text())
+        assert got == {"side_group": True, "same": True, "buffer_kept": True, "device": "cpu",
+                       "got": [11, True, -1, False, 2]}, (rank, got)

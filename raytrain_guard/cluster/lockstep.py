@@ -5,10 +5,14 @@ its own schedule, messages are delayed, some ranks never hear of a decision at a
 therefore never applies a decision it fetched by itself. Every ``K`` steps
 (``GuardConfig.lockstep_every_steps``) all ranks of the training process group agree:
 
-1. one tiny collective: ``all_reduce(MAX)`` of an int64 ``[newest pending decision id]``
-   (``-1`` when a rank knows of nothing new). When the maximum is ``-1`` the agreement ends
-   here, which is the common case and costs one 8-byte allreduce per ``K`` steps;
-2. otherwise the ranks ``all_gather_object`` their pending decisions, and every rank merges the
+1. one tiny collective: the control plane's ``all_reduce(MAX)`` of ``[stop flag, newest pending
+   decision id]`` (``-1`` when a rank knows of nothing new) on a gloo side group, over a
+   preallocated CPU tensor (:mod:`raytrain_guard.runtime.control_plane`); the train loop's stop
+   flag travels in the same round. When the maximum id is ``-1`` the agreement ends here, which
+   is the common case and costs one 16-byte allreduce per ``K`` steps, without touching the
+   device;
+2. otherwise the ranks ``all_gather_object`` their pending decisions (same side group), and
+   every rank merges the
    same lists in the same (rank) order, so every rank computes the same set;
 3. each merged decision is scheduled at :func:`apply_step`: the agreement step itself, or the
    step the coordinator set when that is still in the future.
@@ -27,10 +31,12 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from raytrain_guard.core.decisions import Decision
 from raytrain_guard.errors import InputError
+from raytrain_guard.runtime.control_plane import NO_DECISION, ControlPlane, shared_control_plane
 
 logger = logging.getLogger(__name__)
 
-NO_DECISION = -1  # the value a rank contributes to the MAX when it knows of nothing new
+__all__ = ["NO_DECISION", "Lockstep", "ProcessGroupExchange", "SingleRankExchange",
+           "apply_step", "is_agreement_step", "merge_decisions", "newest_pending_id", "schedule"]
 
 
 # -- pure part ---------------------------------------------------------------------------------
@@ -38,11 +44,6 @@ NO_DECISION = -1  # the value a rank contributes to the MAX when it knows of not
 def is_agreement_step(step: int, every_steps: int) -> bool:
     """True at the step boundaries where the ranks agree: every multiple of ``every_steps``."""
     return step % every_steps == 0
-
-
-def next_agreement_step(step: int, every_steps: int) -> int:
-    """The first agreement boundary at or after ``step`` (``step`` itself when it is one)."""
-    return -(-step // every_steps) * every_steps
 
 
 def apply_step(decision: Decision, agreed_at: int) -> int:
@@ -111,34 +112,31 @@ class SingleRankExchange:
 
 
 class ProcessGroupExchange:
-    """The exchange over a ``torch.distributed`` process group (gloo or nccl).
+    """The exchange over ``torch.distributed``: the newest-id round is ``plane``'s (default:
+    this process's :func:`~raytrain_guard.runtime.control_plane.shared_control_plane`, the one
+    the train loop's stop flag rides on), the pending lists go over the plane's gloo group."""
 
-    Uses the default group unless ``group`` is given. With nccl the int64 flag lives on
-    ``device``, by default the current CUDA device, as nccl requires.
-    """
-
-    def __init__(self, group: Any = None, device: Any = None) -> None:
-        self.group = group
-        self.device = device
+    def __init__(self, plane: ControlPlane | None = None) -> None:
+        self.plane = plane
 
     def exchange(self, newest_id: int,
                  pending: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-        """The one method that touches ``torch.distributed``: allreduce(MAX), then all_gather.
+        """The one method that touches ``torch.distributed``: the plane's allreduce(MAX), then
+        ``all_gather_object`` only when some rank has a pending decision.
 
         Every rank of the group must call it at the same boundary (it is a collective).
         """
-        import torch
+        if self.plane is None:
+            self.plane = shared_control_plane()
+        plane = self.plane
+        if plane.agree(newest_id) == NO_DECISION:
+            return []
+        if plane.world_size == 1:
+            return [pending]
         import torch.distributed as dist
 
-        device = self.device
-        if device is None and dist.get_backend(self.group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        flag = torch.tensor([newest_id], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if int(flag.item()) == NO_DECISION:
-            return []
-        gathered: list[Any] = [None] * dist.get_world_size(group=self.group)
-        dist.all_gather_object(gathered, pending, group=self.group)
+        gathered: list[Any] = [None] * plane.world_size
+        dist.all_gather_object(gathered, pending, group=plane.group)
         return [list(g or []) for g in gathered]
 
 

@@ -6,7 +6,8 @@ the loader position (``{"epoch", "batches_consumed", "seed"}``), each rank's gat
 rank's RNG states (torch, Python, NumPy when present), gathered to rank 0.
 
 :func:`gather_train_state` is a collective (every rank calls it; FSDP2 gathers shards, ZeRO-1
-consolidates the optimizer, RNG states are all-gathered); :func:`write_train_state` and
+consolidates the optimizer, RNG states are all-gathered), as is :func:`gather_objects` (the
+end-of-run results); :func:`write_train_state` and
 :func:`read_train_state` are file I/O; :func:`restore_train_state` loads the model, optimizer and
 this rank's RNG states on every rank.
 """
@@ -89,6 +90,19 @@ def gather_train_state(planned: Any, optimizer: Any, *, step: int,
             "strategy": planned.strategy.value, "model": model_state, "optimizer": optim_state,
             "loader": dict(loader_state), "rng": [g["rng"] for g in gathered],
             "guard": [g["guard"] for g in gathered], "extra": dict(extra or {})}
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``all_gather_object`` on the default group: a
+    collective, every rank calls it); ``[obj]`` outside torch.distributed. The train loop's
+    end-of-run results go through it, next to the checkpoint they are written with."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def write_train_state(directory: str | os.PathLike[str], state: Mapping[str, Any]) -> str:

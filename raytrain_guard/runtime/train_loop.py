@@ -23,8 +23,10 @@ FSDP2); accumulates gradients without synchronizing all but the last micro-batch
 step gate every step; checkpoints every ``checkpoint_every_steps`` through
 ``ray.train.report(checkpoint=...)`` (all ranks report, rank 0 writes); resumes from
 ``ray.train.get_checkpoint()`` at the same step and the same next sample; and stops cleanly on
-a ``CHECKPOINT_AND_STOP`` once every rank agrees (one 4-byte allreduce of a stop flag every
-``stop_check_every_steps`` steps, default ``GuardConfig.lockstep_every_steps``).
+a ``CHECKPOINT_AND_STOP`` once every rank agrees (a stop flag in the control plane's one
+16-byte CPU allreduce on a gloo side group every ``stop_check_every_steps`` steps, default
+``GuardConfig.lockstep_every_steps``, shared with the lockstep exchange's newest decision id:
+see :mod:`raytrain_guard.runtime.control_plane`).
 
 Seam for the cluster layer: ``decision_source`` (an object with ``poll(step, stats) ->
 list[Decision]``) is called on every rank at every step boundary; each decision it returns is
@@ -155,10 +157,10 @@ class LoopConfig:
 
     @property
     def every_stop_check(self) -> int:
-        """Steps between stop agreements. Default ``guard.lockstep_every_steps``: the 4-byte
-        all_reduce costs about 2 ms per call on gloo on a 2-core box (benchmarks/
-        stop_flag_cost.py), half a toy step; a rank that hits critical memory then waits at
-        most K - 1 steps for the others."""
+        """Steps between stop agreements. Default ``guard.lockstep_every_steps``, so that the
+        stop flag rides on the lockstep round (one collective, not two): the tiny all_reduce
+        costs about 2 ms per call on gloo on a 2-core box (benchmarks/stop_flag_cost.py), half
+        a toy step; a rank that hits critical memory then waits at most K - 1 steps."""
         return self.stop_check_every_steps or self.guard.lockstep_every_steps
 
 
@@ -240,8 +242,11 @@ class GuardedTrainLoop:
     """One worker's guarded training run (see the module docstring).
 
     ``reporter``: :class:`RayTrainReporter` inside Ray Train (default there), else a
-    :class:`DirectoryReporter`. :meth:`_agree` is the one method that touches
-    torch.distributed (bandwidth, wrapping and checkpoint gathering live in their modules).
+    :class:`DirectoryReporter`. No method here calls torch.distributed itself: the stop
+    agreement is the shared :class:`~raytrain_guard.runtime.control_plane.ControlPlane`'s
+    round (one 16-byte CPU all_reduce on a gloo side group every K steps, which the lockstep
+    exchange also rides on); bandwidth, wrapping and checkpoint/result gathering live in their
+    modules.
     """
 
     def __init__(self, config: LoopConfig, *, reporter: Any = None, context: Any = None,
@@ -269,6 +274,7 @@ class GuardedTrainLoop:
         self.grad_accum = config.grad_accum
         self.batch_changes: list[dict[str, Any]] = []     # applied and refused shrinks
         self._requested_prefetch: int | None = None        # last SET_PREFETCH cap, kept on rebuild
+        self._last_cluster_release_s: float | None = None   # clock of the last cluster release
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -363,7 +369,7 @@ class GuardedTrainLoop:
         from raytrain_guard.runtime.probes import CudaMemoryProbe, ProcessMemoryProbe
         try:
             if self.device.type == "cuda":
-                return CudaMemoryProbe(self.device)
+                return CudaMemoryProbe(self.device, config=self.config.guard)
             return ProcessMemoryProbe(self.config.guard,
                                       local_world_size=max(1, self.ctx.local_world_size))
         except Exception:  # noqa: BLE001 - fail open: timing rules only
@@ -382,11 +388,11 @@ class GuardedTrainLoop:
         self._resume_batch_layout(state.get("extra", {}).get("batch"))
         self.loader.load_state_dict(state["loader"])
         guards = state.get("guard") or []
-        if self.rank < len(guards) and guards[self.rank].get("gate"):
+        if self.rank < len(guards) and guards[self.rank]:
             try:
-                self.guard.gate.load_state_dict(guards[self.rank]["gate"])
+                self.guard.load_state_dict(guards[self.rank])
             except Exception:  # noqa: BLE001 - fail open: a fresh gate
-                logger.warning("rank %d: gate state not restored", self.rank, exc_info=True)
+                logger.warning("rank %d: guard state not restored", self.rank, exc_info=True)
         self.step = int(state["step"])
         self.resumed_from = self.step
         logger.info("rank %d: resumed at step %d, loader %s", self.rank, self.step,
@@ -416,6 +422,7 @@ class GuardedTrainLoop:
         self._build()
         self._plan_and_wrap()
         self._build_guard()
+        self.control = _control_plane(self.world_size)
         self._resume()
         bind = getattr(self.config.decision_source, "bind_setup", None)
         if callable(bind):
@@ -476,12 +483,10 @@ class GuardedTrainLoop:
         """Rehearsal (``faults["memory"]``): hold ballast so this rank's memory reading reaches
         ``frac`` of its budget at ``step``."""
         for spec in [m for m in self.memory_faults if int(m["step"]) == step]:
-            reading = self.guard.probe.read() if self.guard.probe is not None else None
-            if reading is None or self.faults is None:
+            if self.guard.probe is None or self.faults is None:
                 continue
-            missing = int(float(spec["frac"]) * reading.total_bytes) - reading.used_bytes
-            if missing > 0:
-                self.faults.allocate_ballast(missing)
+            # on the rank's device (a CUDA ballast tensor on GPU), counting reserved memory
+            self.faults.fill_to(self.guard.probe, float(spec["frac"]), device=self.device)
             logger.warning("rank %d step %d: fault injected: memory filled to %.2f of the "
                            "budget", self.rank, step, float(spec["frac"]))
 
@@ -508,20 +513,29 @@ class GuardedTrainLoop:
                 self._local_stop = decision
         due = [d for d in self.pending if d.step is not None and d.step <= step]
         self.pending = [d for d in self.pending if d not in due]
+        control = self.control
+        control.local_stop = self._local_stop is not None    # rides on a lockstep round too
+        rounds_before = control.num_rounds
         if cfg.decision_source is not None:
             for decision in cfg.decision_source.poll(step, stats) or ():
                 (self.pending.append(decision) if decision.step is not None
                  and decision.step > step else due.append(decision))
         stop = False
         for decision in due:
-            self._record(step, decision)
+            self._record(step, decision, applied=self._concerns_me(decision))
             checkpoint_now |= self._apply_cluster(decision)
             stop |= decision.action is Action.CHECKPOINT_AND_STOP
         if stop:
             self.stop_reason = next(d.reason for d in due
                                     if d.action is Action.CHECKPOINT_AND_STOP)
-        elif step % cfg.every_stop_check == 0:
-            if self._agree(self._local_stop is not None):
+        else:
+            # a lockstep exchange at this boundary already carried the stop flag (the same
+            # on every rank: it is a collective); else the loop's own round at a check step
+            agreed = control.num_rounds != rounds_before
+            if not agreed and step % cfg.every_stop_check == 0:
+                control.agree()
+                agreed = True
+            if agreed and control.agreed_stop:
                 stop = True
                 self.stop_reason = (self._local_stop.reason if self._local_stop is not None
                                     else _OTHER_RANK_STOP)
@@ -533,13 +547,37 @@ class GuardedTrainLoop:
             self._checkpoint({"kind": "periodic"})
         return False
 
+    def _concerns_me(self, decision: Decision) -> bool:
+        """Whether this rank acts on ``decision``: a ``node:<id>`` decision only on the ranks of
+        that node (the worker context's node id); rank and cluster decisions everywhere."""
+        scope = decision.scope
+        return not scope.startswith("node:") or scope[len("node:"):] == self.ctx.node_id
+
     def _apply_cluster(self, decision: Decision) -> bool:
         """Apply a decision from the decision source; True when it asks for a checkpoint."""
         from raytrain_guard.runtime.step_guard import release_cache
 
         action = decision.action
+        if not self._concerns_me(decision):
+            logger.debug("rank %d (node %s): %s is not for this node", self.rank,
+                         self.ctx.node_id, decision)
+            return False
         if action is Action.RELEASE_CACHE:
-            release_cache()
+            now = self._clock()
+            spacing = self.config.guard.release_cache_min_interval_s
+            if self._last_cluster_release_s is None or \
+                    now - self._last_cluster_release_s >= spacing:
+                self._last_cluster_release_s = now
+                release_cache()
+            else:
+                logger.info("rank %d: cluster release_cache skipped: the last one was %.1f s "
+                            "ago (release_cache_min_interval_s %g)", self.rank,
+                            now - self._last_cluster_release_s, spacing)
+        elif action is Action.PACE:
+            try:
+                self.guard.set_pace(decision.params.get("delay_s", 0.0))
+            except InputError as exc:
+                logger.warning("rank %d: pace decision ignored: %s", self.rank, exc)
         elif action is Action.SET_PREFETCH:
             if "prefetch_factor" in decision.params:
                 self._requested_prefetch = decision.params["prefetch_factor"]
@@ -613,20 +651,11 @@ class GuardedTrainLoop:
         return {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                 "prefetch_factor": prefetch if prefetch and prefetch > 0 else None}
 
-    def _agree(self, local_stop: bool) -> bool:
-        """True when any rank wants to stop: one 4-byte all_reduce(MAX); touches
-        torch.distributed (every rank calls it at the same steps)."""
-        if self.world_size == 1:
-            return local_stop
-        import torch
-        import torch.distributed as dist
-        flag = torch.tensor([1 if local_stop else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _record(self, step: int, decision: Decision) -> None:
+    def _record(self, step: int, decision: Decision, *, applied: bool = True) -> None:
+        """Keep ``decision`` for the results; ``applied`` False: seen at ``step`` but meant for
+        another node's ranks."""
         entry = decision.to_dict()
-        entry.update(applied_at=step, world_rank=self.rank)
+        entry.update(applied_at=step, world_rank=self.rank, applied=applied)
         self.decisions.append(entry)
 
     def _log_ids(self, step: int, batch: Any) -> None:
@@ -645,7 +674,7 @@ class GuardedTrainLoop:
 
         state = gather_train_state(
             self.planned, self.optimizer, step=self.step, loader_state=self.loader.state_dict(),
-            guard_state={"gate": self.guard.gate.state_dict()},
+            guard_state=self.guard.state_dict(),
             extra={"batch": {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
                              "changes": self.batch_changes}})
         loss = float(self._last_loss) if self._last_loss is not None else None
@@ -661,12 +690,13 @@ class GuardedTrainLoop:
     def _finish(self, wall_s: float) -> dict[str, Any]:
         """Final figures; rank 0 names stragglers across ranks; a last checkpoint + report."""
         from raytrain_guard.core.gate import attribute_across_ranks
+        from raytrain_guard.runtime.checkpoint import gather_objects
 
         own = {"world_rank": self.rank, "window": [s.to_dict() for s in self.window],
                "decisions": self.decisions, "loader": self.loader.stats(),
                "faults_applied": getattr(self.faults, "num_delays", 0),
                "batch_changes": [dict(c, world_rank=self.rank) for c in self.batch_changes]}
-        per_rank = self._gather(own)
+        per_rank = gather_objects(own)
         windows = [[StepStats.from_dict(s) for s in r["window"]] for r in per_rank]
         attribution = [dict(world_rank=a.world_rank, role=a.role.value, reason=a.reason)
                        for a in attribute_across_ranks(
@@ -693,17 +723,10 @@ class GuardedTrainLoop:
             "faults_applied": [r["faults_applied"] for r in per_rank],
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "batch_changes": [c for r in per_rank for c in r["batch_changes"]],
+            "control_rounds": self.control.num_rounds,    # stop/lockstep allreduces, this rank
         }
         self._checkpoint({"kind": "final", "results": json.dumps(results, default=str)})
         return results
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        import torch.distributed as dist
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
 
     def _device(self) -> Any:
         import torch
@@ -743,6 +766,13 @@ class _StepMetrics:
             value = getattr(stats, name)
             if value is not None:
                 gauge.set(float(value), tags=self.tags)
+
+
+def _control_plane(world_size: int) -> Any:
+    """The process's shared control plane (every rank calls this at the same point: it may
+    create the gloo side group); a one-rank plane for a world of one."""
+    from raytrain_guard.runtime.control_plane import ControlPlane, shared_control_plane
+    return shared_control_plane() if world_size > 1 else ControlPlane(1)
 
 
 def shrink_verdict(micro_batch: int, grad_accum: int, params: Mapping[str, Any], *,

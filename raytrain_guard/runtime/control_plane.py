@@ -1,0 +1,103 @@
+"""The control-plane collective: stop flag and newest decision id in one 16-byte all_reduce.
+
+Every ``K`` steps (``GuardConfig.lockstep_every_steps``) the ranks of a training run must agree
+on two things: whether any rank's gate asked to checkpoint and stop, and whether any rank has
+heard of a cluster decision the others have not (the lockstep's newest pending id). Both are a
+MAX over the ranks, so one ``all_reduce(MAX)`` of ``[stop flag, newest decision id]`` answers
+both. It runs on a gloo side group over a preallocated CPU tensor:
+
+- on NCCL, a tiny allreduce on the device followed by ``.item()`` would wait for all the step's
+  queued GPU work (a device synchronization in the hot path); a CPU tensor on gloo does not
+  touch the device at all;
+- the tensor is allocated once, not per call.
+
+The side group is ``dist.new_group(backend="gloo")`` when the default group is not gloo (every
+rank creates it at the same point: :meth:`ControlPlane.for_default_group` is called by the train
+loop while building, by every rank), and the default group itself otherwise.
+
+The train loop and the lockstep exchange share one plane per process
+(:func:`shared_control_plane`): the loop sets :attr:`ControlPlane.local_stop` before it polls
+its decision source; when the lockstep's exchange runs :meth:`ControlPlane.agree` at that
+boundary, the stop flag travels with it, and the loop only runs its own round at a stop-check
+step where no exchange did.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+NO_DECISION = -1  # the value a rank contributes to the MAX when it knows of nothing new
+
+
+class ControlPlane:
+    """One rank's end of the control-plane collective (see the module docstring).
+
+    ``world_size`` 1: no collective, :meth:`agree` answers from the local values. ``group``: the
+    process group to reduce over (a gloo group; None: the default group, which must be gloo).
+    """
+
+    def __init__(self, world_size: int, group: Any = None) -> None:
+        self.world_size = world_size
+        self.group = group
+        self.local_stop = False          # this rank's gate asked to stop (set by the loop)
+        self.agreed_stop = False         # some rank asked, as of the last round
+        self.num_rounds = 0              # rounds run; the loop compares it around a poll
+        self._buffer: Any = None
+        if world_size > 1:
+            import torch
+            self._buffer = torch.zeros(2, dtype=torch.int64)     # CPU, reused every round
+
+    @classmethod
+    def for_default_group(cls) -> "ControlPlane":
+        """The plane of the initialised default group (a new gloo side group when its backend
+        is not gloo: a collective call, every rank must make it at the same point); a world of
+        one rank when torch.distributed is not initialised."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(1)
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return cls(dist.get_world_size(), group)
+
+    def agree(self, newest_id: int = NO_DECISION) -> int:
+        """One round: every rank's ``[local_stop, newest_id]`` reduced by MAX. Sets
+        :attr:`agreed_stop` and returns the newest decision id any rank knows of
+        (:data:`NO_DECISION` when none). Every rank must call it at the same boundary."""
+        stop, newest = self.all_reduce_max(1 if self.local_stop else 0, newest_id)
+        self.agreed_stop = bool(stop)
+        self.num_rounds += 1
+        return newest
+
+    def all_reduce_max(self, first: int, second: int) -> tuple[int, int]:
+        """The one method that touches torch.distributed: ``all_reduce(MAX)`` of two int64
+        on the side group, in the preallocated CPU tensor (no device synchronization)."""
+        if self.world_size == 1:
+            return first, second
+        import torch.distributed as dist
+
+        buffer = self._buffer
+        buffer[0] = first
+        buffer[1] = second
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group)
+        return int(buffer[0]), int(buffer[1])
+
+
+_shared: tuple[Any, ControlPlane] | None = None    # (the default group it serves, the plane)
+
+
+def shared_control_plane() -> ControlPlane:
+    """This process's plane for the current default group, made on the first call (by every
+    rank at the same point: it may create the gloo side group) and again after the default
+    group was replaced."""
+    global _shared
+    import torch.distributed as dist
+
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if _shared is None or _shared[0] is not world:
+        _shared = (world, ControlPlane.for_default_group())
+        logger.debug("control plane: world of %d, %s group", _shared[1].world_size,
+                     "default" if _shared[1].group is None else "gloo side")
+    return _shared[1]
