@@ -43,6 +43,35 @@ def _mlp() -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
 
+def _gpt() -> torch.nn.Module:
+    """A transformer as people write it: blocks in a ModuleList, tied embedding and head."""
+    from examples.models import TinyGPT
+    torch.manual_seed(2)
+    return TinyGPT(vocab=64, hidden=32, heads=2, layers=2, max_seq=16)
+
+
+def _train_gpt(planned, optimizer, rank: int, steps: int) -> list[float]:
+    from examples.models import gpt_loss
+    gen = torch.Generator().manual_seed(200 + rank)
+    losses = []
+    for _ in range(steps):
+        loss = gpt_loss(planned.module, torch.randint(0, 64, (4, 16), generator=gen))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _grouped_adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
+    """Two groups with their own settings: weights (decayed) and biases (no decay, half lr)."""
+    named = list(module.named_parameters())
+    return torch.optim.AdamW([
+        {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.5},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0,
+         "lr": 0.005}], lr=0.05)
+
+
 def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(100 + rank)
     return [(torch.randn(4, 16, generator=gen), torch.randn(4, 1, generator=gen))
@@ -135,6 +164,24 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         out[strategy]["resumed_equal"] = _close(_full_params(fresh), reference)
         out[strategy]["guard_states"] = loaded["guard"]
         out[strategy]["step"] = loaded["step"]
+    # 5. FSDP2 through wrap_model on a transformer whose blocks sit in a ModuleList (fully_shard
+    #    rejects the ModuleList itself): same parameters as DDP after 3 AdamW steps.
+    for strategy in ("ddp", "fsdp-full", "fsdp-grad-op"):
+        planned = wrap_model(_gpt(), strategy=strategy, use_ray=False)
+        optimizer = torch.optim.AdamW(planned.module.parameters(), lr=1e-2)
+        out[f"gpt-{strategy}"] = {"losses": _train_gpt(planned, optimizer, rank, steps=3),
+                                  "params": _full_params(planned), **planned.applied}
+
+    # 6. ZeRO-1 keeps the parameter groups (their own lr and weight decay): same parameters as
+    #    DDP with the same grouped AdamW.
+    for strategy in ("ddp", "zero1"):
+        planned = wrap_model(_mlp(), strategy=strategy, use_ray=False)
+        optimizer = wrap_optimizer(planned, _grouped_adamw(planned.module))
+        _train(planned, optimizer, rank, steps=3, grad_accum=1)
+        out[f"groups-{strategy}"] = {
+            "params": _full_params(planned), "optimizer": type(optimizer).__name__,
+            "groups": [[len(g["params"]), g["lr"], g["weight_decay"]]
+                       for g in optimizer.param_groups]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
     dist.destroy_process_group()
@@ -191,6 +238,26 @@ def test_sharded_strategies_train_like_ddp(ranks, strategy):
     assert ranks[0]["zero1"]["optimizer"] == "ZeroRedundancyOptimizer"
     # every rank ends with the same full parameters
     assert _close(ranks[0][strategy]["params"], ranks[1][strategy]["params"])
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-full", "fsdp-grad-op"])
+def test_fsdp2_shards_a_transformer_per_block_like_ddp(ranks, strategy):
+    for rank in ranks:
+        got = rank[f"gpt-{strategy}"]
+        # the two blocks of the ModuleList are units (the planner's wrap_units), then the root
+        assert got["fsdp_units"] == 2 + 1
+        assert _close(got["params"], rank["gpt-ddp"]["params"])
+        assert got["losses"] == pytest.approx(rank["gpt-ddp"]["losses"], abs=1e-5)
+    assert _close(ranks[0][f"gpt-{strategy}"]["params"], ranks[1][f"gpt-{strategy}"]["params"])
+
+
+def test_zero1_keeps_parameter_groups(ranks):
+    for rank in ranks:
+        assert rank["groups-zero1"]["optimizer"] == "ZeroRedundancyOptimizer"
+        # 3 weights decayed at lr 0.05, 3 biases undecayed at lr 0.005, as the user grouped them
+        assert rank["groups-zero1"]["groups"] == rank["groups-ddp"]["groups"] \
+            == [[3, 0.05, 0.5], [3, 0.005, 0.0]]
+        assert _close(rank["groups-zero1"]["params"], rank["groups-ddp"]["params"])
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp-full", "fsdp-grad-op"])

@@ -227,9 +227,14 @@ def wrap_optimizer(planned: PlannedModel, optimizer: Any) -> Any:
         return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    import inspect
+
+    # defaults as constructor arguments (some group keys, e.g. AdamW's decoupled_weight_decay,
+    # are not); each group goes in whole, with its own settings
+    accepted = inspect.signature(type(optimizer)).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(group, params=list(group["params"])) for group in optimizer.param_groups]
-    zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer),
-                                   **{k: v for k, v in groups[0].items() if k != "params"})
+    zero = ZeroRedundancyOptimizer(groups[:1], optimizer_class=type(optimizer), **defaults)
     for group in groups[1:]:
         zero.add_param_group(group)
     return zero
