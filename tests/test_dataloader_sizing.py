@@ -101,3 +101,33 @@ def test_bad_counts(field, value):
     args[field] = value
     with pytest.raises(InputError, match=field):
         size_dataloader(pin_memory=False, config=C, **args)
+
+
+@pytest.mark.parametrize("workers, prefetch, cap, want_workers, want_prefetch, warned", [
+    # 2 cores / 1 GPU -> rule: 2 workers; budget 0.05 x 1 GiB = 53687091 B; batch 4 MiB.
+    # rule: 53687091 // (2 x 4 MiB) = 6 -> prefetch 6
+    (None, None, None, 2, 6, False),
+    # 4 workers given: 53687091 // (4 x 4 MiB) = 3
+    (4, None, None, 4, 3, False),
+    # 16 workers given: 53687091 // (16 x 4 MiB) = 0 -> kept at 16 with prefetch 1, and
+    # 16 x 1 x 4 MiB = 64 MiB > 51.2 MiB is warned
+    (16, None, None, 16, 1, True),
+    # prefetch given as 8: kept; 2 x 8 x 4 MiB = 64 MiB over the budget, warned
+    (None, 8, None, 2, 8, True),
+    # a cap lowers the rule's 6 to 2, and the given 8 to 3; a cap above the plan does nothing
+    (None, None, 2, 2, 2, False),
+    (None, 8, 3, 2, 3, False),
+    (None, None, 7, 2, 6, False),
+    # no workers: nothing to prefetch, a cap changes nothing
+    (0, None, 2, 0, 0, False),
+])
+def test_given_workers_prefetch_and_cap(workers, prefetch, cap, want_workers, want_prefetch,
+                                        warned):
+    plan = size_dataloader(batch_bytes=4 * MiB, host_memory_bytes=GiB, gpus_per_node=1,
+                           cpus_per_node=2, pin_memory=False, config=C, num_workers=workers,
+                           prefetch_factor=prefetch, prefetch_cap=cap)
+    assert (plan.num_workers, plan.prefetch_factor) == (want_workers, want_prefetch)
+    assert plan.host_bytes == max(want_workers, 1) * max(want_prefetch, 1) * 4 * MiB
+    assert any("exceed the host prefetch budget" in w for w in plan.warnings) == warned
+    if cap is not None and want_workers and want_prefetch == cap:
+        assert f"capped at {cap} by request" in plan.reason

@@ -10,6 +10,7 @@ The rule:
 - ``prefetch_factor`` = the largest ``P <= config.max_prefetch_factor`` with
   ``W x P x batch cost <= budget``; if even ``P = 1`` does not fit, fewer workers.
 - One batch alone over the budget: :class:`PlanInputError` naming both and the fix.
+- Given ``num_workers`` / ``prefetch_factor`` are kept; ``prefetch_cap`` lowers the prefetch.
 
 The planner calls it before launch; the worker runtime calls it again with measured batch bytes.
 """
@@ -53,18 +54,40 @@ def host_budget_bytes(host_memory_bytes: int, gpus_per_node: int, config: GuardC
 
 def workers_per_gpu(cpus_per_node: int, gpus_per_node: int, config: GuardConfig) -> int:
     """``cpus // gpus - 1`` (one core for the training process), clamped to the config's range."""
-    wanted = max(cpus_per_node // gpus_per_node - 1, 0)
-    return min(max(wanted, config.min_workers_per_gpu), config.max_workers_per_gpu)
+    return _workers_rule(cpus_per_node, gpus_per_node, config)[2]
+
+
+def _workers_rule(cpus_per_node: int, gpus_per_node: int,
+                  config: GuardConfig) -> tuple[int, int, int]:
+    """(cores per GPU, cores - 1, that clamped to the config's range)."""
+    cores = cpus_per_node // gpus_per_node
+    wanted = max(cores - 1, 0)
+    return cores, wanted, min(max(wanted, config.min_workers_per_gpu), config.max_workers_per_gpu)
 
 
 def size_dataloader(*, batch_bytes: int, host_memory_bytes: int, gpus_per_node: int,
                     cpus_per_node: int, pin_memory: bool, config: GuardConfig,
-                    list_backed_dataset: bool = False) -> DataLoaderPlan:
-    """Size one training process's DataLoader (see the module rule)."""
+                    list_backed_dataset: bool = False, num_workers: int | None = None,
+                    prefetch_factor: int | None = None,
+                    prefetch_cap: int | None = None) -> DataLoaderPlan:
+    """Size one training process's DataLoader (see the module rule).
+
+    ``num_workers`` given (the user's choice): kept, with the largest prefetch that fits the
+    budget (at least 1). ``prefetch_factor`` given: kept as is. ``prefetch_cap`` (a run-time
+    request, e.g. a SET_PREFETCH decision): the prefetch is lowered to it, never raised. A
+    given setting over the budget is kept and warned about, not refused.
+    """
     _positive("batch_bytes", batch_bytes, "measure one batch (--sample) or give --batch-bytes")
     _positive("host_memory_bytes", host_memory_bytes, "give the node's RAM, e.g. --host-mem 512GiB")
     _positive("gpus_per_node", gpus_per_node, "give the GPUs (training processes) per node")
     _positive("cpus_per_node", cpus_per_node, "give the node's CPU cores")
+    if num_workers is not None and (isinstance(num_workers, bool)
+                                    or not isinstance(num_workers, int) or num_workers < 0):
+        raise PlanInputError("num_workers", "must be an integer >= 0", value=num_workers,
+                             fix="use None to let the guard size it")
+    for name, value in (("prefetch_factor", prefetch_factor), ("prefetch_cap", prefetch_cap)):
+        if value is not None:
+            _positive(name, value, "use 1 or more, or None")
     warnings: list[str] = []
     budget = host_budget_bytes(host_memory_bytes, gpus_per_node, config)
     per_batch = batch_bytes * (2 if pin_memory else 1)
@@ -78,14 +101,15 @@ def size_dataloader(*, batch_bytes: int, host_memory_bytes: int, gpus_per_node: 
             fix="use a smaller micro-batch, more host RAM, a larger host_prefetch_frac"
                 + (", or pin_memory=False" if pin_memory else ""))
 
-    cores = cpus_per_node // gpus_per_node
-    wanted = max(cores - 1, 0)
-    workers = workers_per_gpu(cpus_per_node, gpus_per_node, config)
+    cores, wanted, workers = _workers_rule(cpus_per_node, gpus_per_node, config)
     why = (f"{cpus_per_node} cores // {gpus_per_node} GPUs = {cores} per GPU, - 1 for training "
            f"= {wanted} workers" + (f", clamped to {workers}" if workers != wanted else ""))
-    if wanted < config.min_workers_per_gpu:
+    if num_workers is None and wanted < config.min_workers_per_gpu:
         warnings.append(f"only {cores} cores per GPU: {workers} workers (min_workers_per_gpu) "
                         f"share them with the training process")
+    if num_workers is not None and num_workers != workers:
+        workers = num_workers
+        why += f"; num_workers {workers} as given"
     if workers == 0:
         return DataLoaderPlan(0, 0, per_batch, budget, why + "; loading in the training process",
                               _with_list_warning(warnings, list_backed_dataset))
@@ -95,6 +119,9 @@ def size_dataloader(*, batch_bytes: int, host_memory_bytes: int, gpus_per_node: 
                 f"{format_bytes(batch_bytes)}{pinned} = "
                 f"{format_bytes(workers * prefetch * per_batch)} within "
                 f"{format_bytes(budget)} ({config.host_prefetch_frac:.0%} of host RAM per GPU)")
+    elif num_workers is not None:
+        prefetch = 1                         # the given workers stay; warned below
+        why += "; prefetch_factor 1 (the given workers exceed the budget even at 1)"
     else:
         fewer = budget // per_batch          # >= 1: one batch fits (checked above)
         prefetch = 1
@@ -104,7 +131,17 @@ def size_dataloader(*, batch_bytes: int, host_memory_bytes: int, gpus_per_node: 
         workers = fewer
         why += (f"; lowered to {workers} with prefetch_factor 1 so {workers} x "
                 f"{format_bytes(batch_bytes)}{pinned} fits {format_bytes(budget)}")
+    if prefetch_factor is not None:
+        prefetch = prefetch_factor
+        why += f"; prefetch_factor {prefetch} as given"
+    if prefetch_cap is not None and prefetch > prefetch_cap:
+        prefetch = prefetch_cap
+        why += f"; prefetch_factor capped at {prefetch} by request"
     host = workers * prefetch * per_batch
+    if host > budget:
+        warnings.append(f"{workers} workers x prefetch {prefetch} x {format_bytes(per_batch)} "
+                        f"= {format_bytes(host)} exceed the host prefetch budget of "
+                        f"{format_bytes(budget)}")
     return DataLoaderPlan(workers, prefetch, host, budget, why,
                           _with_list_warning(warnings, list_backed_dataset))
 

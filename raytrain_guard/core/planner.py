@@ -183,9 +183,8 @@ def plan(*, model: ModelStats, activations: ActivationProfile, setup: TrainingSe
     est = estimate(model, activations, current, config)
     slack = budget - est.total_bytes
     bucket = _bucket_plan(model, current, config, bandwidth_curve, slack, warnings, notes)
-    if bucket is not None:
+    if bucket is not None:   # estimate() does not read bucket_cap_mb: `est` stays valid
         current = dataclasses.replace(current, bucket_cap_mb=bucket.bucket_cap_mb)
-        est = estimate(model, activations, current, config)
     fits = est.total_bytes <= budget
 
     loader = None
