@@ -16,57 +16,33 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from raytrain_guard.errors import PlanInputError
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.errors import InputError, PlanInputError
+from raytrain_guard.runtime.batches import batch_nbytes, batch_signature, leading_batch_size
 
 log = logging.getLogger(__name__)
+
+SAME_SHAPE_FIX = ("make __getitem__ return the same structure, dtype and per-sample shape for "
+                  "every sample, or pass a collate_fn that pads")
 
 
 @dataclass(frozen=True)
 class BatchMeasure:
-    """Bytes of one measured batch and its leading (batch) dimension."""
+    """Bytes of one measured batch, its leading (batch) dimension and its signature."""
 
     batch_bytes: int
     batch_size: int | None          # None: no tensor with a batch dimension
     source: str                     # "sample" | "dataset"
+    signature: Any = None           # batch_signature of the collated samples ("dataset")
 
     @property
     def bytes_per_sample(self) -> float:
         return self.batch_bytes / (self.batch_size or 1)
 
 
-def batch_bytes(batch: Any) -> int:
-    """Bytes held by the tensors and arrays of ``batch`` (what a loader queues and pins)."""
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch.element_size() * batch.numel()
-    nbytes = getattr(batch, "nbytes", None)      # numpy arrays, without importing numpy
-    if isinstance(nbytes, int) and hasattr(batch, "dtype"):
-        return nbytes
-    if isinstance(batch, dict):
-        return sum(batch_bytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(batch_bytes(v) for v in batch)
-    return 0
-
-
-def leading_batch_size(batch: Any) -> int | None:
-    """The first dimension of the first tensor or array with one, depth first."""
-    shape = getattr(batch, "shape", None)
-    if shape is not None and hasattr(batch, "dtype"):
-        return int(shape[0]) if len(shape) else None
-    children = batch.values() if isinstance(batch, dict) else \
-        batch if isinstance(batch, (list, tuple)) else ()
-    for child in children:
-        size = leading_batch_size(child)
-        if size is not None:
-            return size
-    return None
-
-
 def measure_batch(batch: Any) -> BatchMeasure:
     """Measure one batch as the user's sample factory returned it."""
-    size = batch_bytes(batch)
+    size = batch_nbytes(batch)
     if size <= 0:
         raise PlanInputError("--sample", "the batch holds no tensor or array",
                              value=type(batch).__name__,
@@ -75,27 +51,48 @@ def measure_batch(batch: Any) -> BatchMeasure:
     return BatchMeasure(size, leading_batch_size(batch), "sample")
 
 
-def measure_dataset(dataset: Any, *, num_samples: int = 8,
-                    collate: Callable[[list], Any] | None = None) -> BatchMeasure:
-    """Collate the first ``num_samples`` samples of a map-style dataset and measure them."""
+def measure_dataset(dataset: Any, *, num_samples: int | None = None,
+                    collate: Callable[[list], Any] | None = None,
+                    config: GuardConfig = GuardConfig(), field: str = "--dataset",
+                    error: type[InputError] = PlanInputError,
+                    require_bytes: bool = True) -> BatchMeasure:
+    """Collate the first ``num_samples`` (default ``config.loader_probe_samples``) samples of a
+    map-style dataset and measure them.
+
+    Without a ``collate`` (torch's default_collate), every sample must agree with sample 0 in
+    type and per-sample shape. Bad input raises ``error`` naming ``field``: a dataset that is
+    empty or raises, samples that differ or cannot be collated, and (``require_bytes``) samples
+    that hold no tensor or array.
+    """
     from torch.utils.data import default_collate
 
+    count = config.loader_probe_samples if num_samples is None else num_samples
+    name = type(dataset).__name__
     try:
-        count = min(num_samples, len(dataset))
+        count = min(count, len(dataset))
         samples = [dataset[i] for i in range(count)]
-        batch = (collate or default_collate)(samples)
-    except Exception as exc:  # the user's dataset raised: report it, no traceback
-        raise PlanInputError("--dataset", f"reading samples failed ({type(exc).__name__}: "
-                             f"{exc})", fix="make dataset[i] and len(dataset) work for the "
-                             "first samples") from None
+    except Exception as exc:  # the user's dataset raised: report it in one line
+        raise error(field, f"reading samples failed ({type(exc).__name__}: {exc})", value=name,
+                    fix="make dataset[i] and len(dataset) work for the first samples") from exc
     if count == 0:
-        raise PlanInputError("--dataset", "is empty", value=0, fix="return a non-empty dataset")
-    size = batch_bytes(batch)
-    if size <= 0:
-        raise PlanInputError("--dataset", "its samples hold no tensor or array",
-                             value=type(samples[0]).__name__,
-                             fix="return tensors or numpy arrays from __getitem__")
-    return BatchMeasure(size, count, "dataset")
+        raise error(field, "is empty", value=0, fix="return a non-empty dataset")
+    if collate is None:
+        first = batch_signature(default_collate([samples[0]]))
+        for i, sample in enumerate(samples[1:], start=1):
+            sig = batch_signature(default_collate([sample]))
+            if sig != first:
+                raise error(field, f"sample {i} differs from sample 0 in type or shape: {sig} "
+                            f"vs {first}", value=name, fix=SAME_SHAPE_FIX)
+    try:
+        batch = (collate or default_collate)(samples)
+    except (RuntimeError, TypeError) as exc:
+        raise error(field, f"samples 0..{count - 1} cannot be collated into a batch ({exc})",
+                    value=name, fix=SAME_SHAPE_FIX) from exc
+    size = batch_nbytes(batch)
+    if size <= 0 and require_bytes:
+        raise error(field, "its samples hold no tensor or array", value=type(samples[0]).__name__,
+                    fix="return tensors or numpy arrays from __getitem__")
+    return BatchMeasure(size, count, "dataset", batch_signature(batch, shapes=collate is None))
 
 
 def list_backed_attributes(dataset: Any, *, min_items: int, _depth: int = 0) -> list[str]:

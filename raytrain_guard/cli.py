@@ -255,12 +255,12 @@ def _data_source(args, config) -> tuple[int | None, float | None, bool, tuple[st
     if args.dataset is None and args.sample is None:
         return None, None, False, ()
     _import_path()
-    from raytrain_guard.trace import load_object
+    from raytrain_guard.factories import load_object
 
     if args.dataset is not None:
-        factory = load_object(args.dataset, field_name="--dataset")
+        factory = load_object(args.dataset, field_name="--dataset", error=PlanInputError)
         dataset = _call_user(factory, "--dataset")
-        measured = batch_inspect.measure_dataset(dataset)
+        measured = batch_inspect.measure_dataset(dataset, config=config)
         found = batch_inspect.list_backed_attributes(
             dataset, min_items=config.list_dataset_min_items)
         note = (f"batch bytes from {measured.batch_size} samples of --dataset: "
@@ -268,7 +268,7 @@ def _data_source(args, config) -> tuple[int | None, float | None, bool, tuple[st
         if found:
             note += f"; Python containers in the dataset: {', '.join(found)}"
         return None, measured.bytes_per_sample, bool(found), (note,)
-    factory = load_object(args.sample, field_name="--sample")
+    factory = load_object(args.sample, field_name="--sample", error=PlanInputError)
     measured = batch_inspect.measure_batch(_call_user(factory, "--sample"))
     note = (f"batch bytes from --sample: {format_bytes(measured.batch_bytes)} for "
             f"{measured.batch_size or 1} samples")
@@ -375,9 +375,10 @@ def _local_gpus() -> int:
 
 
 def _host_memory() -> int:
-    import psutil
+    """This machine's RAM as the run may use it (the container's cgroup limit when lower)."""
+    from raytrain_guard.host_memory import host_memory
 
-    return int(psutil.virtual_memory().total)
+    return host_memory()[0]
 
 
 # -- status --------------------------------------------------------------------------------------

@@ -8,14 +8,14 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from raytrain_guard.batch_inspect import (
-    batch_bytes,
     is_list_backed,
-    leading_batch_size,
     list_backed_attributes,
     measure_batch,
     measure_dataset,
 )
+from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import PlanInputError
+from raytrain_guard.runtime.batches import batch_nbytes, batch_signature, leading_batch_size
 
 Pair = collections.namedtuple("Pair", "x y")
 
@@ -35,7 +35,7 @@ Pair = collections.namedtuple("Pair", "x y")
     (torch.zeros(50, 100)[:2], 800, 2),
 ])
 def test_batch_bytes(batch, nbytes, size):
-    assert batch_bytes(batch) == nbytes
+    assert batch_nbytes(batch) == nbytes
     assert leading_batch_size(batch) == size
     m = measure_batch(batch)
     assert (m.batch_bytes, m.batch_size) == (nbytes, size)
@@ -86,6 +86,40 @@ def test_measure_dataset():
     # 8 samples of 4 float32 = 128 B collated
     m = measure_dataset(Tensors())
     assert (m.batch_bytes, m.batch_size, m.bytes_per_sample) == (128, 8, 16.0)
+    # the sample count comes from the config (the guarded loader's probe reads as many):
+    # 3 samples of 4 float32 = 48 B
+    m = measure_dataset(Tensors(), config=GuardConfig(loader_probe_samples=3))
+    assert (m.batch_bytes, m.batch_size) == (48, 3)
+
+
+class NumpySamples(Dataset):
+    """Sample i: {"x": float32 numpy vector of 6, "y": int}; default_collate makes tensors."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"x": np.full(6, i, dtype=np.float32), "y": i}
+
+
+def test_numpy_batches_count_their_bytes_and_shapes():
+    # a batch a custom collate leaves as numpy: 4 x 6 float32 = 96 B + 4 int64 = 32 B
+    batch = {"x": np.zeros((4, 6), dtype=np.float32), "y": np.arange(4)}
+    assert batch_nbytes(batch) == 128 and leading_batch_size(batch) == 4
+    assert batch_signature(batch) == ("dict", (("x", ("array", "float32", (6,))),
+                                               ("y", ("array", "int64", ()))))
+    # numpy samples collated: 8 x (6 x 4 B + 8 B) = 256 B
+    assert measure_dataset(NumpySamples()).batch_bytes == 256
+
+
+def test_samples_that_differ_are_named():
+    class Mixed(Tensors):
+        def __getitem__(self, i):
+            return torch.zeros(3 if i == 2 else 4)
+
+    with pytest.raises(PlanInputError, match="sample 2 differs") as err:
+        measure_dataset(Mixed())
+    assert err.value.field == "--dataset"
 
 
 def test_dataset_that_raises_is_bad_input():

@@ -1,8 +1,10 @@
 """Cheap facts about a batch: its bytes, its shape signature, and moving it to a device.
 
-A batch is what a DataLoader yields: a tensor, or a dict/list/tuple (named tuples included)
-nesting tensors and plain values. The walks here allocate nothing beyond their result and
-never synchronize a device, so they may run every step.
+A batch is what a DataLoader yields: a tensor, a numpy array, or a dict/list/tuple (named
+tuples included) nesting them and plain values (plain values such as strings and ints hold no
+buffer a loader would queue or pin, and count 0 bytes). numpy arrays are recognized by their
+``nbytes``/``dtype``/``shape`` attributes, without importing numpy. The walks here allocate
+nothing beyond their result and never synchronize a device, so they may run every step.
 """
 
 from __future__ import annotations
@@ -13,15 +15,36 @@ from typing import Any
 import torch
 
 
+def _is_array(value: Any) -> bool:
+    """A numpy array (or anything array-like with integer ``nbytes``, ``dtype`` and ``shape``)."""
+    return isinstance(getattr(value, "nbytes", None), int) and hasattr(value, "dtype") \
+        and hasattr(value, "shape")
+
+
 def batch_nbytes(batch: Any) -> int:
-    """Bytes held by the tensors of ``batch`` (views counted at their own size)."""
+    """Bytes held by the tensors and arrays of ``batch`` (views counted at their own size)."""
     if isinstance(batch, torch.Tensor):
         return batch.element_size() * batch.numel()
+    if _is_array(batch):
+        return batch.nbytes
     if isinstance(batch, dict):
         return sum(batch_nbytes(v) for v in batch.values())
     if isinstance(batch, (list, tuple)):
         return sum(batch_nbytes(v) for v in batch)
     return 0
+
+
+def leading_batch_size(batch: Any) -> int | None:
+    """The first dimension of the first tensor or array with one, depth first."""
+    if isinstance(batch, torch.Tensor) or _is_array(batch):
+        return int(batch.shape[0]) if len(batch.shape) else None
+    children = batch.values() if isinstance(batch, dict) else \
+        batch if isinstance(batch, (list, tuple)) else ()
+    for child in children:
+        size = leading_batch_size(child)
+        if size is not None:
+            return size
+    return None
 
 
 def batch_signature(batch: Any, *, shapes: bool = True) -> Any:
@@ -34,10 +57,14 @@ def batch_signature(batch: Any, *, shapes: bool = True) -> Any:
     """
     if isinstance(batch, torch.Tensor):
         return ("tensor", str(batch.dtype), tuple(batch.shape[1:]) if shapes else batch.dim())
+    if _is_array(batch):
+        return ("array", str(batch.dtype), tuple(batch.shape[1:]) if shapes
+                else len(batch.shape))
     if isinstance(batch, dict):
         return ("dict", tuple((k, batch_signature(v, shapes=shapes)) for k, v in batch.items()))
     if isinstance(batch, (list, tuple)):
-        if batch and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in batch):
+        if batch and not any(isinstance(v, (torch.Tensor, dict, list, tuple)) or _is_array(v)
+                             for v in batch):
             # one plain value per sample (default_collate keeps strings as a list): its length
             # is the batch size, so only the element types count
             return (type(batch).__name__, "per-sample", tuple(sorted({type(v).__name__
