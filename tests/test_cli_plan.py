@@ -245,3 +245,13 @@ def test_console_script():
     out = subprocess.run([exe, "plan", "--params", "7.5B", *SMALL, "--gpu-mem", "80GiB"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "FITS" in out.stdout
+
+
+def test_machine_ram_default_is_the_container_limit(monkeypatch):
+    # the cgroup files are the input here (this box has no limit): a 2 GiB container limit on
+    # a larger machine must be what `plan` divides, not the machine's RAM
+    import raytrain_guard.host_memory as host_memory
+    from raytrain_guard import cli
+
+    monkeypatch.setattr(host_memory, "read_cgroup_memory", lambda: (2 * 1024**3, 1024**3))
+    assert cli._host_memory() == 2 * 1024**3
