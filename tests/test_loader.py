@@ -141,7 +141,7 @@ def test_every_sample_once_per_epoch_across_ranks(loaders, world, drop_last):
             pad = (-n) % world
             assert set(seen) == set(range(n))
             assert sorted(v for v, c in seen.items() if c == 2) == sorted(order[:pad])
-            assert sum(seen.values()) == n + pad == n + ranks[0].num_padding_samples
+            assert sum(seen.values()) == n + pad
         assert all(loader.epoch == epoch + 1 for loader in ranks)  # set_epoch done by the loader
 
 
@@ -291,25 +291,46 @@ def test_given_prefetch_factor_is_kept(loaders):
     assert not loader.torch_loader.persistent_workers
 
 
-def test_request_prefetch_factor_applies_at_the_next_epoch_boundary(loaders):
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_request_prefetch_factor_applies_at_the_next_batch_without_loss_or_repeat(loaders,
+                                                                                  device):
+    # 40 samples, batch 4, one rank: 10 batches. The cap lands after batch 3 of epoch 0; the
+    # torch iterator is rebuilt at sample 12 (what the training loop took, not what the workers
+    # and the background stage had fetched ahead), so epoch 0 is still 0..39 once each.
+    loader = loaders(IndexDataset(40), 4, num_workers=2, host_memory_bytes=1024 * MiB, seed=7,
+                     device=device, device_prefetch_depth=2)
+    assert loader.plan.prefetch_factor == 8 and loader.prefetch_factor == 8
+    it = iter(loader)
+    got = [int(v) for _ in range(3) for v in next(it).tolist()]
+    pids = loader.worker_pids()
+    loader.request_prefetch_factor(2)
+    # reported at once (what the train loop's setup() reads), applied from the next batch
+    assert loader.plan.prefetch_factor == 2 and loader.prefetch_factor == 2
+    assert "capped at 2 by request" in loader.plan.reason
+    got += [int(v) for v in next(it).tolist()]
+    assert loader.torch_loader.prefetch_factor == 2 and loader._torch_iter._prefetch_factor == 2
+    assert loader.worker_pids() != pids and len(loader.worker_pids()) == 2
+    got += [int(v) for batch in it for v in batch.tolist()]
+    assert sorted(got) == list(range(40))                  # nothing lost, nothing repeated
+    plain = loaders(IndexDataset(40), 4, num_workers=0, seed=7)
+    assert got == epoch_of(plain)                          # and in the epoch's order
+    assert loader.stats()["replans"] == 1 and loader.epoch == 1
+    state = loader.state_dict()
+    assert (state["epoch"], state["samples_consumed"]) == (1, 0)
+    loader.request_prefetch_factor(None)                   # lifted between epochs
+    assert loader.prefetch_factor == 8
+    assert sorted(epoch_of(loader)) == list(range(40))
+    assert loader.torch_loader.prefetch_factor == 8 and loader.stats()["replans"] == 2
+
+
+def test_request_at_the_same_factor_keeps_the_workers(loaders):
     loader = loaders(IndexDataset(40), 4, num_workers=2, host_memory_bytes=1024 * MiB)
-    assert loader.plan.prefetch_factor == 8
     it = iter(loader)
     next(it)
     pids = loader.worker_pids()
-    loader.request_prefetch_factor(2)
-    rest = list(it)                                   # the epoch finishes unchanged
-    assert len(rest) == 9 and loader.plan.prefetch_factor == 8
-    assert loader.torch_loader.prefetch_factor == 8
-    epoch_of(loader)                                  # epoch boundary: re-planned
-    assert loader.plan.prefetch_factor == 2 and loader.torch_loader.prefetch_factor == 2
-    assert loader._torch_iter._prefetch_factor == 2
-    assert loader.stats()["replans"] == 1
-    assert loader.worker_pids() != pids and len(loader.worker_pids()) == 2
-    assert "capped at 2 by request" in loader.plan.reason
-    loader.request_prefetch_factor(None)
-    epoch_of(loader)
-    assert loader.plan.prefetch_factor == 8 and loader.stats()["replans"] == 2
+    loader.request_prefetch_factor(8)                      # the plan's own value: no change
+    assert len(list(it)) == 9 and loader.worker_pids() == pids
+    assert loader.stats()["replans"] == 0
 
 
 class GrowingSamples:
@@ -341,20 +362,6 @@ def test_replan_uses_the_measured_batches_not_the_probe(loaders):
     assert loader.stats()["replans"] == 1
 
 
-def test_set_prefetch_decision_is_applied(loaders):
-    from raytrain_guard.core.decisions import Action, Decision
-
-    loader = loaders(IndexDataset(16), 4, device="cpu", host_memory_bytes=1024 * MiB)
-    decision = Decision(Action.SET_PREFETCH, "host pressure on node n1", step=10,
-                        params={"prefetch_factor": 1, "device_prefetch_depth": 2})
-    assert loader.apply_decision(decision)
-    assert not loader.apply_decision(Decision(Action.RELEASE_CACHE, "x"))
-    assert loader.device_prefetch_depth == 2
-    epoch_of(loader)
-    epoch_of(loader)
-    assert loader.torch_loader.prefetch_factor == 1
-
-
 def test_host_pressure_lowers_prefetch_at_the_epoch_boundary(loaders):
     host = {"total": 64 * MiB, "available": 60 * MiB}
     loader = loaders(VectorDataset(64, 1024), 16, gpus_per_node=1, cpus_per_node=2,
@@ -382,9 +389,10 @@ def test_data_wait_and_batch_bytes_are_counted_per_step(loaders):
     assert stats["wall_total_s"] == 10.0 and stats["data_wait_frac"] == 0.5
     assert loader.last_data_wait_s == 1.0
     assert loader.last_batch_bytes == batch_nbytes(batches[-1]) == 4 * 16 * 4
-    # in flight: 2 workers x prefetch 8 x 256 B = 4096 B; no device given: no device stage
+    # in flight: 2 workers x prefetch 8 x 256 B = 4096 B, plus depth 1 x 256 B held by the
+    # background stage that takes batches from the workers (host memory): 4352 B
     assert loader.plan.prefetch_factor == 8
-    assert stats["bytes_in_flight_estimate"] == stats["host_bytes_in_flight_estimate"] == 4096
+    assert stats["bytes_in_flight_estimate"] == stats["host_bytes_in_flight_estimate"] == 4352
 
 
 def test_data_wait_includes_a_slow_dataset(loaders):
@@ -495,3 +503,45 @@ def test_state_dict_from_another_dataset_is_refused(loaders):
 
 def test_default_config_is_the_seed_rule():
     assert GuardConfig().host_prefetch_frac == 0.05
+
+
+# -- background stage (CPU, workers): the training thread does not take batches from the workers
+def test_background_stage_counts_delivered_batches_not_fetched_ones(loaders):
+    import threading
+    import time
+
+    loader = loaders(IndexDataset(40), 4, num_workers=2, seed=1, device_prefetch_depth=3)
+    it = iter(loader)
+    first = next(it).tolist()
+    stage = loader._stage
+    deadline = time.monotonic() + 10
+    while stage.num_ready < 3 and time.monotonic() < deadline:    # the thread fills its depth
+        time.sleep(0.01)
+    assert stage.num_ready == 3                      # 3 batches fetched ahead, not delivered
+    state = loader.state_dict()
+    assert state["samples_consumed"] == 4 and state["batches_consumed"] == 1
+    resumed = loaders(IndexDataset(40), 4, num_workers=0, seed=1)
+    resumed.load_state_dict(state)
+    assert sorted(first + epoch_of(resumed)) == list(range(40))
+    loader.close()
+    assert not any(t.name == "raytrain_guard-batches" and t.is_alive()
+                   for t in threading.enumerate())
+
+
+def test_threaded_prefetcher_keeps_order_ends_and_forwards_errors():
+    from raytrain_guard.runtime.device_prefetch import ThreadedPrefetcher
+
+    stage = ThreadedPrefetcher(iter(range(5)), depth=2)
+    assert list(stage) == [0, 1, 2, 3, 4]
+    with pytest.raises(StopIteration):               # stays ended
+        next(stage)
+    stage.close()
+
+    def broken():
+        yield 1
+        raise KeyError("sample 7")
+    stage = ThreadedPrefetcher(broken(), depth=1)
+    assert next(stage) == 1
+    with pytest.raises(KeyError, match="sample 7"):
+        next(stage)
+    stage.close()
