@@ -30,6 +30,14 @@ def test_growth_rule(samples, fires):
     assert (verdicts[-1] is not None) == fires
 
 
+def test_a_window_under_two_samples_is_an_input_error():
+    from raytrain_guard.errors import InputError
+
+    with pytest.raises(InputError, match="worker_memory_growth_samples") as err:
+        GrowthDetector(num_samples=1, min_growth_bytes=25)
+    assert err.value.field == "num_samples"
+
+
 def test_watcher_warns_once_and_survives_a_failing_probe(caplog):
     readings = iter([100, 200, 300, 400, 500, 600])
     watcher = WorkerMemoryWatcher(lambda: (1, 2), interval_s=1.0, num_samples=3,

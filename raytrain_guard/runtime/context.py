@@ -42,10 +42,6 @@ class WorkerContext:
     node_id: str = ""
     source: str = "single"
 
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
 
 def current_context() -> WorkerContext:
     """The context of the calling process (Ray Train worker, torch.distributed, or single).
