@@ -35,7 +35,7 @@ def test_token_path_variable_counts(tmp_path):
 
 
 @pytest.mark.parametrize("names, run_id, expected", [
-    ([C + "a", "raytrain_guard:monitor:n1"], None, C + "a"),   # the only coordinator
+    ([C + "a", "raytrain_guard:monitor:a:n1"], None, C + "a"),   # the only coordinator
     ([C + "a", C + "b"], "b", C + "b"),                         # chosen by run id
 ])
 def test_choose_coordinator(names, run_id, expected):

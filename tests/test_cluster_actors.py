@@ -29,8 +29,10 @@ RUN = "run-a"
 CFG = GuardConfig(monitor_interval_s=0.2, decision_interval_s=1e9)
 
 
-# One fake 80 GiB GPU per node at 50 %, real psutil host probe.
-scripted_probes = ScriptedProbeFactory([[GpuSample(0, 40 * 2**30, 80 * 2**30, 0.9, 60.0, 300.0)]])
+# One fake 80 GiB GPU per node at 50 %, holding the node's registered workers; real psutil
+# host probe.
+scripted_probes = ScriptedProbeFactory([[GpuSample(0, 40 * 2**30, 80 * 2**30, 0.9, 60.0, 300.0)]],
+                                       worker_gpus=(0,))
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def test_exactly_one_monitor_per_node_named_and_placed(actors):
     assert len(nodes) == 3 and set(monitors) == nodes
     named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == NS and a["name"].startswith(MONITOR_PREFIX)}
-    assert named == {monitor_name(n) for n in nodes}
+    assert named == {monitor_name(RUN, n) for n in nodes}
     for node_id, handle in monitors.items():
         assert ray.get(handle.where.remote()) == node_id      # node affinity held
     again = start_monitors(NS, RUN, CFG, probe_factory=scripted_probes)   # idempotent
@@ -129,7 +131,7 @@ def test_worker_registration_reaches_its_nodes_monitor(actors):
     @ray.remote(num_cpus=0)
     class Worker:
         def register(self):
-            return register_worker_with_monitor(NS, world_rank=7)
+            return register_worker_with_monitor(NS, RUN, world_rank=7)
 
         def ids(self):
             return os.getpid(), ray.get_runtime_context().get_node_id()
@@ -142,6 +144,7 @@ def test_worker_registration_reaches_its_nodes_monitor(actors):
         ray.get(monitors[node_id].latest.remote())))
     (mine,) = [x for x in sample["host"]["workers"] if x["pid"] == pid]
     assert mine["world_rank"] == 7 and mine["private_bytes"] > 0
+    assert pid in sample["gpus"][0]["process_pids"]     # the GPU holding it says so
     ray.kill(w)
 
 
@@ -197,15 +200,59 @@ def test_killed_monitor_restarts_on_its_node(actors):
     assert info["sampling"] and ray.get(handle.where.remote()) == node_id
 
 
-def test_stop_all_removes_every_actor(cluster):
-    coord = start_coordinator(NS, "run-b", CFG)
-    ray.get(coord.ping.remote())
+def test_two_runs_in_one_namespace_keep_their_own_monitors(actors):
+    """A second run (run-b, its GPUs scripted at 70 %) beside run-a: its own monitors, named
+    per run, feed its own coordinator; stopping run-b leaves run-a's actors alive."""
+    coord_a, monitors_a = actors
+    coord_b = start_coordinator(NS, "run-b", CFG)
+    monitors_b = start_monitors(NS, "run-b", CFG, probe_factory=ScriptedProbeFactory(
+        [[GpuSample(0, 56 * 2**30, 80 * 2**30)]]))
+    assert {h._actor_id for h in monitors_b.values()}.isdisjoint(
+        h._actor_id for h in monitors_a.values())
+    status_b = wait_for(lambda: (lambda s: s if set(s["nodes"]) == alive_nodes() else None)(
+        ray.get(coord_b.status.remote())))
+    assert {n["gpus"][0]["memory_frac"] for n in status_b["nodes"].values()} == {0.7}
+    time.sleep(3 * CFG.monitor_interval_s)       # run-a's coordinator still sees only run-a's
+    assert {n["gpus"][0]["memory_frac"] for n in ray.get(coord_a.status.remote())[
+        "nodes"].values()} == {0.5}
     killed = stop_all(NS, "run-b")
-    assert coordinator_name("run-b") in killed
+    assert sorted(killed) == sorted([coordinator_name("run-b")] +
+                                    [monitor_name("run-b", n) for n in monitors_b])
     left = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == NS}
-    assert not any(n.startswith(MONITOR_PREFIX) for n in left)
-    assert coordinator_name("run-b") not in left
+    assert {monitor_name(RUN, n) for n in monitors_a} | {coordinator_name(RUN)} <= left
+    assert not any(n.startswith(monitor_name("run-b", "")) for n in left)
+    assert ray.get([h.ping.remote() for h in monitors_a.values()])   # run-a's still answer
+
+
+def test_client_asks_for_an_attempt_and_collects_only_at_agreement_steps(cluster,
+                                                                         monkeypatch):
+    """A rank's real client and lockstep source against a real coordinator (run-d): rank 0's
+    attempt comes from the coordinator, 40 steps at K=N=10 cost at most one ray.wait per
+    agreement step, and the reports arrive."""
+    from raytrain_guard.cluster.client import (CoordinatorClient, LockstepDecisionSource,
+                                               fetch_attempt)
+    from raytrain_guard.cluster.lockstep import Lockstep
+    coord = start_coordinator(NS, "run-d", CFG)
+    try:
+        attempt = fetch_attempt(coordinator_name("run-d"), NS)
+        assert attempt == 1 and fetch_attempt(coordinator_name("run-d"), NS) == 2
+        waits = []
+        real_wait = ray.wait
+        monkeypatch.setattr(ray, "wait", lambda *a, **k: waits.append(1) or real_wait(*a, **k))
+        client = CoordinatorClient(coordinator_name("run-d"), namespace=NS, world_rank=0,
+                                   node_id="n0", report_every_steps=10, attempt=2)
+        source = LockstepDecisionSource(Lockstep(every_steps=10), client)
+        for step in range(1, 41):
+            source.poll(step, [StepStats(step - 1, 0.1, memory_frac=0.5)])
+        assert len(waits) <= 4                      # boundaries 10, 20, 30, 40
+        monkeypatch.setattr(ray, "wait", real_wait)
+        status = wait_for(lambda: (lambda s: s if s["num_reports"] == 4 else None)(
+            ray.get(coord.status.remote())))
+        assert status["attempt"] == 2 and status["ranks"][0]["step"] == 39
+        assert status["ignored"]["malformed"] == 0
+    finally:
+        stop_all(NS, "run-d")
 
 
 def _try(fn):

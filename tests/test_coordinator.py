@@ -236,3 +236,16 @@ def test_reports_as_rows_in_step_field_order():
     st = c.status()
     assert st["ranks"][1]["step"] == 4 and st["ranks"][1]["memory_frac"] == 0.5
     assert st["ignored"]["malformed"] == 1
+
+
+def test_a_restarted_coordinator_with_a_clock_behind_still_makes_newer_decision_ids():
+    c = coordinator()                              # wall clock 1000 s
+    c.report_steps(0, "n0", 0, batch(0, 1, mem=0.89))
+    (first,) = c.decide()
+    cursor = first["decision_id"]
+    # restarted on a node whose clock is an hour behind: ids would start far below the cursor
+    again = Coordinator("run1", GuardConfig(decision_interval_s=1e9), clock=Clock(),
+                        wall_clock=lambda: 1000.0 - 3600)
+    again.report_steps(0, "n0", 0, batch(0, 11, mem=0.89), None, cursor)
+    (d,) = again.decide()
+    assert d["decision_id"] == cursor + 1 and again.decisions_since(cursor) == [d]

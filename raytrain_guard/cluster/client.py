@@ -117,7 +117,7 @@ class CoordinatorClient:
             rows = [_row(s) for s in batch]
             try:
                 self._reports.append(handle.report_steps.remote(
-                    self.world_rank, self.node_id, self.attempt, rows, setup))
+                    self.world_rank, self.node_id, self.attempt, rows, setup, self.cursor))
                 self.num_reports_sent += 1
             except Exception as exc:  # noqa: BLE001 - fail open
                 self._lose(exc)
@@ -245,7 +245,10 @@ class LockstepDecisionSource:
                     self.client.record(stats)
             except Exception as exc:  # noqa: BLE001 - the guard fails open, lockstep must run
                 logger.warning("decision source: client failed (%r); going on", exc)
-        return self.lockstep.poll(step)
+        due = self.lockstep.poll(step)
+        if self.client is not None and self.lockstep.agreed_ids:   # ids heard from other ranks
+            self.client.cursor = max(self.client.cursor, max(self.lockstep.agreed_ids))
+        return due
 
     @property
     def applied(self) -> list[tuple[int, int]]:

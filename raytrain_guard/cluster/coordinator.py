@@ -12,6 +12,7 @@ Actor methods (stable; the worker client, the monitors and the status CLI call t
   rank's step figures (every ``report_every_steps`` steps, fire-and-forget), each a row in
   :data:`STEP_FIELDS` order (what the client sends) or a ``StepStats.to_dict()``.
   ``setup``: ``{"micro_batch", "grad_accum", "prefetch_factor"}`` as the rank runs now.
+  ``decision_cursor``: the newest decision id the rank knows of (new ids are made larger).
 * ``report_node(sample) -> None``: a monitor's ``NodeSample.to_dict()``.
 * ``decide(next_apply_step=None) -> list[dict]``: one policy round now (otherwise rounds run by
   themselves on reports, at most every ``decision_interval_s``); the new decisions.
@@ -30,8 +31,10 @@ issued last is current (a larger one comes from a group that died before the res
 attempt (issued, or adopted from a report) clears rank windows and policy state; node samples
 are kept.
 
-Decision ids grow across restarts: they start from the wall clock in microseconds, so a rank's
-cursor from before a restart never hides the new coordinator's decisions.
+Decision ids grow across restarts: they start from the wall clock in microseconds and, since a
+restarted coordinator may run on a node whose clock is behind, jump past the newest id any rank
+reports knowing (``decision_cursor``) before the next decision, so a rank's cursor from before
+a restart never hides the new coordinator's decisions.
 """
 
 from __future__ import annotations
@@ -116,11 +119,14 @@ class Coordinator:
 
     # -- reports -----------------------------------------------------------------------------
     def report_steps(self, world_rank: int, node_id: str, attempt: int,
-                     stats: Sequence[Mapping[str, Any]], setup: Mapping[str, Any] | None = None
-                     ) -> None:
-        """One rank's batch of StepStats dicts. Never raises: bad reports are counted."""
+                     stats: Sequence[Any], setup: Mapping[str, Any] | None = None,
+                     decision_cursor: int | None = None) -> None:
+        """One rank's batch of step rows (or StepStats dicts). Never raises: bad reports are
+        counted."""
         try:
             rank, node, att = _int(world_rank), str(node_id), _int(attempt)
+            if decision_cursor is not None:
+                self._next_id = max(self._next_id, _int(decision_cursor))
             if not node or rank < 0:
                 raise ValueError("world_rank must be >= 0 and node_id non-empty")
             batch = [_checked(_step_stats(row)) for row in stats]
