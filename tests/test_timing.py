@@ -125,6 +125,30 @@ def test_cuda_events_come_back_a_step_later():
     assert [s.step for s in done] == sorted(s.step for s in done)
 
 
+@pytest.mark.gpu
+def test_cuda_events_are_pooled():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    timer = StepTimer(device="cuda")
+    x = torch.randn(512, 512, device="cuda")
+    for step in range(200):
+        timer.begin_step(step)
+        y = x @ x
+        timer.mark("forward")
+        timer.mark("backward")
+        timer.finish_step(step)
+        if step % 50 == 0:
+            torch.cuda.synchronize()
+        del y
+    # 3-4 events per step: without the pool 200 steps make ~800; with it, only the steps in
+    # flight (at most max_pending + 1 of them) hold events at once
+    assert timer._events.num_created <= 4 * (timer._max_pending + 2)
+    torch.cuda.synchronize()
+    stats = timer.finish_step(200)
+    assert stats is not None and stats.forward_s >= 0
+
+
 def test_comm_timer_wraps_a_given_hook(tmp_path):
     # One-process gloo group: DDP still runs its hook on every bucket. A counting hook around
     # fp16 compression shows the given hook is the one called, and the stats come back.

@@ -18,7 +18,9 @@ Definitions (seconds, per rank and step):
 On CPU the clock is ``time.perf_counter`` and :meth:`StepTimer.finish_step` returns the step
 it finishes. On CUDA every stamp is a ``torch.cuda.Event`` recorded on the current stream (the
 GPU timeline); :meth:`~StepTimer.finish_step` never synchronizes: it returns the oldest earlier
-step whose events all report ``query()`` done (normally the previous step), or ``None``.
+step whose events all report ``query()`` done (normally the previous step), or ``None``. The
+events come from a pool: a finished (or dropped) step gives its events back, so a steady loop
+creates no new event after its first few steps.
 """
 
 from __future__ import annotations
@@ -45,13 +47,70 @@ _UNTIMED = -1
 class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
-    __slots__ = ("done", "last_ready", "marks", "step")
+    __slots__ = ("done", "last_ready", "lender", "lends_end", "marks", "released", "step")
 
-    def __init__(self, start: Any) -> None:
+    def __init__(self, start: Any, lender: "_StepRecord | None" = None) -> None:
         self.step = -1
         self.marks: list[tuple[int, Any]] = [(_UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
+        # CUDA event pooling: a step that starts where the previous one ended shares that
+        # record's end event; the later step gives it back, never the lender
+        self.lender = lender
+        self.lends_end = False
+        self.released = False
+        if lender is not None:
+            lender.lends_end = True
+
+
+class _EventPool:
+    """Reusable CUDA timing events (a step records about ten; each new ``torch.cuda.Event`` is
+    a driver call). A step's events return here once its figures are read, or it is dropped."""
+
+    def __init__(self) -> None:
+        self._free: list[Any] = []
+        self.num_created = 0
+
+    def stamp(self) -> Any:
+        """An event recorded now on the current stream. Called from the training thread and
+        DDP's communication callbacks: ``list.pop`` and ``append`` are atomic."""
+        try:
+            event = self._free.pop()
+        except IndexError:
+            import torch
+            event = torch.cuda.Event(enable_timing=True)
+            self.num_created += 1
+        event.record()
+        return event
+
+    def release(self, record: _StepRecord) -> None:
+        """Take back ``record``'s events once its figures are read (or it is dropped): all of
+        them but its end when the next step started there (that step gives it back)."""
+        free = self._free
+        marks = record.marks
+        free.extend(stamp for _, stamp in marks[:-1])
+        if not record.lends_end and len(marks) > 1:
+            free.append(marks[-1][1])
+        free.extend(record.done)
+        if record.last_ready is not None:
+            free.append(record.last_ready)
+        record.released = True
+        record.lender = None
+
+    def discard(self, record: _StepRecord) -> None:
+        """Take back the events of a step record that is replaced before it finished
+        (:meth:`StepTimer.begin_step`); a borrowed start goes back to its lender."""
+        lender, record.lender = record.lender, None
+        if lender is not None:
+            lender.lends_end = False
+            if lender.released:          # read already: nobody holds that event now
+                self._free.append(record.marks[0][1])
+        else:
+            self._free.append(record.marks[0][1])
+        self._free.extend(stamp for _, stamp in record.marks[1:])
+        self._free.extend(record.done)
+        if record.last_ready is not None:
+            self._free.append(record.last_ready)
 
 
 class StepTimer:
@@ -70,15 +129,13 @@ class StepTimer:
         self._max_pending = max_pending
         self._pending: deque[_StepRecord] = deque()
         self._dropped = 0
+        self._events = _EventPool() if self._cuda else None
         self._record = _StepRecord(self._stamp())
-
-    @property
-    def uses_cuda_events(self) -> bool:
-        """True when stamps are CUDA events (stats come back one step later)."""
-        return self._cuda
 
     def begin_step(self, step: int) -> None:
         """Start timing ``step`` now (optional: a step otherwise starts where the last ended)."""
+        if self._events is not None:
+            self._events.discard(self._record)
         self._record = _StepRecord(self._stamp())
         self._record.step = step
 
@@ -108,18 +165,21 @@ class StepTimer:
         record = self._record
         record.step = step
         record.marks.append((_UNTIMED, end))
-        self._record = _StepRecord(end)
+        self._record = _StepRecord(end, record if self._cuda else None)
         if not self._cuda:
             return self._stats(record, None, memory_frac)
         self._pending.append(record)
         if len(self._pending) > self._max_pending:
-            self._pending.popleft()
+            self._events.release(self._pending.popleft())
             self._dropped += 1
             if self._dropped == 1:
                 logger.warning("rank %d: step timings dropped: the GPU is more than %d steps "
                                "behind the host", self.world_rank, self._max_pending)
         if self._pending and _all_done(self._pending[0]):
-            return self._stats(self._pending.popleft(), _elapsed_s, memory_frac)
+            oldest = self._pending.popleft()
+            stats = self._stats(oldest, _elapsed_s, memory_frac)
+            self._events.release(oldest)
+            return stats
         return None
 
     # -- called by the communication hook (autograd and communication threads) ---------------
@@ -136,11 +196,7 @@ class StepTimer:
     def _stamp(self) -> Any:
         if not self._cuda:
             return self._clock()
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return self._events.stamp()
 
     def _stats(self, record: _StepRecord, elapsed: Callable[[Any, Any], float] | None,
                memory_frac: float | None) -> StepStats:
@@ -171,10 +227,14 @@ def _unknown_phase(phase: Any) -> InputError:
 
 
 def _all_done(record: _StepRecord) -> bool:
-    events = [stamp for _, stamp in record.marks] + record.done
-    if record.last_ready is not None:
-        events.append(record.last_ready)
-    return all(e.query() for e in events)
+    """Whether every event of ``record`` has completed (no list built: this runs every step).
+    The last mark is recorded last on the stream, so it is queried first."""
+    for _, stamp in reversed(record.marks):
+        if not stamp.query():
+            return False
+    if record.last_ready is not None and not record.last_ready.query():
+        return False
+    return all(e.query() for e in record.done)
 
 
 def _elapsed_s(start: Any, end: Any) -> float:
