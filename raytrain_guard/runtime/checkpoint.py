@@ -9,7 +9,9 @@ rank's RNG states (torch, Python, NumPy when present), gathered to rank 0.
 consolidates the optimizer, RNG states are all-gathered), as is :func:`gather_objects` (the
 end-of-run results); :func:`write_train_state` and
 :func:`read_train_state` are file I/O; :func:`restore_train_state` loads the model, optimizer and
-this rank's RNG states on every rank.
+this rank's RNG states on every rank from a state it holds; :func:`load_train_state` (what the
+train loop resumes with) reads the file on rank 0 only and broadcasts it, so a node with
+``N`` ranks holds one host copy of the checkpoint, not ``N``.
 """
 
 from __future__ import annotations
@@ -153,6 +155,62 @@ def restore_train_state(planned: Any, optimizer: Any, state: Mapping[str, Any], 
         set_rng_state(rngs[world_rank])
     logger.info("rank %d: restored step %d (loader %s)", world_rank, state["step"],
                 state.get("loader"))
+
+
+def load_train_state(directory: str | os.PathLike[str] | None, planned: Any, optimizer: Any, *,
+                     world_rank: int) -> dict[str, Any]:
+    """Resume from ``directory``: rank 0 reads the file; model and optimizer come to the other
+    ranks by broadcast (``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``;
+    ZeRO-1's consolidated optimizer state as one object), the small rest (step, loader,
+    guard, RNG, extra) as one object. A collective: every rank calls it (``directory`` is read
+    on rank 0 only). Returns the state without ``model`` and ``optimizer`` on every rank. A
+    file rank 0 cannot read raises the same InputError on every rank (no rank is left waiting).
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        state = read_train_state(_must_be(directory))
+        restore_train_state(planned, optimizer, state, world_rank=world_rank)
+        return {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+    zero = _is_zero(optimizer)
+    full: dict[str, Any] = {}
+    head: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        try:
+            full = read_train_state(_must_be(directory))
+            head = {k: v for k, v in full.items() if k not in ("model", "optimizer")}
+            if zero:
+                head["optimizer"] = full["optimizer"]
+        except InputError as exc:
+            head = {"error": exc}
+    box = [head]
+    dist.broadcast_object_list(box, src=0)
+    head = box[0]
+    if "error" in head:
+        raise head["error"]
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(planned.module, full.get("model", {}), options=options)
+    if zero:
+        optimizer.load_state_dict(head.pop("optimizer"))
+    else:
+        set_optimizer_state_dict(planned.module, optimizer, full.get("optimizer", {}),
+                                 options=options)
+    rngs = head.get("rng") or []
+    if world_rank < len(rngs):
+        set_rng_state(rngs[world_rank])
+    logger.info("rank %d: restored step %d (loader %s; %s)", world_rank, head["step"],
+                head.get("loader"), "read here" if dist.get_rank() == 0 else "from rank 0")
+    return head
+
+
+def _must_be(directory: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
+    if directory is None:
+        raise InputError("checkpoint", "no directory on rank 0", value=None,
+                         fix="resume only where rank 0 sees the checkpoint")
+    return directory
 
 
 def _is_zero(optimizer: Any) -> bool:

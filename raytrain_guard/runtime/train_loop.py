@@ -377,14 +377,15 @@ class GuardedTrainLoop:
             return None
 
     def _resume(self) -> None:
-        from raytrain_guard.runtime.checkpoint import read_train_state, restore_train_state
+        from raytrain_guard.runtime.checkpoint import load_train_state
 
         with self.reporter.latest_checkpoint_dir() as directory:
             if directory is None:
                 self.resumed_from = None
                 return
-            state = read_train_state(directory)
-        restore_train_state(self.planned, self.optimizer, state, world_rank=self.rank)
+            # rank 0 reads the file, the other ranks receive model, optimizer and the rest
+            state = load_train_state(directory, self.planned, self.optimizer,
+                                     world_rank=self.rank)
         self._resume_batch_layout(state.get("extra", {}).get("batch"))
         self.loader.load_state_dict(state["loader"])
         guards = state.get("guard") or []
