@@ -9,7 +9,8 @@ CPU free. The three loaders are built once (persistent workers), warmed up, then
 interleaved rounds of ``--steps`` steps each, so all three see the same machine noise.
 
 Host bytes are what the loader holds in flight: ``num_workers x prefetch_factor x batch bytes``
-(exactly that many batches are queued once the workers are ahead), against the budget of
+(exactly that many batches are queued once the workers are ahead) plus the batches its
+background stage keeps ready (``device_prefetch_depth``, 1 by default), against the budget of
 ``host_prefetch_frac x host RAM / gpus_per_node``. This box has 2 cores and no GPU: the budget
 assumes ``--gpus-per-node`` training processes share the host RAM, as on an 8-GPU node.
 """
@@ -19,10 +20,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import psutil
 import torch
 
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.host_memory import host_memory
 from raytrain_guard.runtime.loader import GuardedDataLoader
 from raytrain_guard.units import format_bytes
 
@@ -41,13 +42,16 @@ class DecodedImages:
         return torch.full((3, 224, 224), i % 255, dtype=torch.uint8)
 
 
-def run_steps(it, loader: GuardedDataLoader, steps: int, step_s: float) -> tuple[float, float]:
-    """(data wait, wall) over ``steps`` steps of fixed compute."""
+def run_steps(it, loader: GuardedDataLoader, steps: int, step_s: float,
+              waits: list[float] | None = None) -> tuple[float, float]:
+    """(data wait, wall) over ``steps`` steps of fixed compute; each step's wait into ``waits``."""
     wait = 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
         next(it)
         wait += loader.last_data_wait_s
+        if waits is not None:
+            waits.append(loader.last_data_wait_s)
         time.sleep(step_s)
     return wait, time.perf_counter() - t0
 
@@ -64,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
 
     config = GuardConfig()
-    host = psutil.virtual_memory().total
+    host = host_memory()[0]
     dataset = DecodedImages(10**6, args.sample_ms / 1000)
     common = dict(world_rank=0, world_size=1, config=config, gpus_per_node=args.gpus_per_node,
                   host_memory_bytes=host, watch_worker_memory=False, seed=0)
@@ -74,14 +78,20 @@ def main() -> None:
         "seed fixed (16 workers x prefetch 4)": GuardedDataLoader(
             dataset, args.batch_size, num_workers=16, prefetch_factor=4, **common),
         "guard planned": GuardedDataLoader(dataset, args.batch_size, **common),
+        # the same plan with the training thread taking each batch from the workers' queue
+        # itself (no background stage): what the stage hides
+        "guard planned, no background stage": GuardedDataLoader(
+            dataset, args.batch_size, device_prefetch_depth=0, **common),
     }
     iters = {name: iter(loader) for name, loader in loaders.items()}
     for name, loader in loaders.items():                 # warm-up: fill the queues
         run_steps(iters[name], loader, args.warmup_steps, args.step_ms / 1000)
     totals = {name: [0.0, 0.0] for name in loaders}
+    medians: dict[str, list[float]] = {name: [] for name in loaders}
     for _ in range(args.rounds):
         for name, loader in loaders.items():
-            wait, wall = run_steps(iters[name], loader, args.steps, args.step_ms / 1000)
+            wait, wall = run_steps(iters[name], loader, args.steps, args.step_ms / 1000,
+                                   medians[name])
             totals[name][0] += wait
             totals[name][1] += wall
 
@@ -92,14 +102,17 @@ def main() -> None:
           f"{args.batch_size} x 147 KiB = {format_bytes(batch)}; sample {args.sample_ms} ms, "
           f"step {args.step_ms} ms; {args.rounds} interleaved rounds x {args.steps} steps")
     print(f"planned: {loaders['guard planned'].plan.reason}")
-    print("| loader | workers x prefetch | data wait / step time | host bytes in flight "
-          "| within budget |")
-    print("|---|---|---|---|---|")
+    print("| loader | workers x prefetch (+ stage) | data wait / step time | median wait per step "
+          "| host bytes in flight | within budget |")
+    print("|---|---|---|---|---|---|")
     for name, loader in loaders.items():
         wait, wall = totals[name]
         plan = loader.plan
-        in_flight = max(plan.num_workers, 1) * max(plan.prefetch_factor, 1) * batch
-        print(f"| {name} | {plan.num_workers} x {plan.prefetch_factor} | {wait / wall:.1%} | "
+        in_flight = loader.stats()["host_bytes_in_flight_estimate"]
+        stage = loader.device_prefetch_depth if plan.num_workers else 0
+        waits = sorted(medians[name])
+        print(f"| {name} | {plan.num_workers} x {plan.prefetch_factor} (+ {stage}) | "
+              f"{wait / wall:.1%} | {1000 * waits[len(waits) // 2]:.2f} ms | "
               f"{format_bytes(in_flight)} | {'yes' if in_flight <= budget else 'NO'} |")
     for loader in loaders.values():
         loader.close()
