@@ -312,3 +312,52 @@ def test_gate_imports_without_torch_ray_psutil():
             "from raytrain_guard.config import GuardConfig\n"
             "g.StepGate(GuardConfig()).observe_memory(0, 0.95)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- one straggler rule ---------------------------------------------------------------------------
+AGREE_CASES = [
+    # (name, windows as (compute, comm, data))
+    ("two ranks, compute", [(0.100, 0.102, 0.005), (0.200, 0.002, 0.005)]),
+    # Two of three ranks compute 0.2 s: against the median of the *others* each of them was
+    # 0.05 s over (a straggler, old rule); against the reference rank (median_low = 0.2) no
+    # rank is, which is what the coordinator says: one rule now, so both say "no straggler".
+    ("most ranks slow", [(0.1, 0.1, 0.005), (0.2, 0.0, 0.005), (0.2, 0.0, 0.005)]),
+    ("data", [(0.1, 0.11, 0.005), (0.1, 0.11, 0.005), (0.1, 0.01, 0.105)]),
+]
+
+
+@pytest.mark.parametrize("name,specs", AGREE_CASES, ids=[c[0] for c in AGREE_CASES])
+def test_attribution_names_the_coordinators_stragglers(name, specs):
+    from raytrain_guard.core.straggler import score_ranks
+    windows = [window(r, compute=c, comm=m, data=d) for r, (c, m, d) in enumerate(specs)]
+    frac = GuardConfig().straggler_frac
+    role = {Cause.COMPUTE: RankRole.STRAGGLER_COMPUTE, Cause.DATA: RankRole.STRAGGLER_DATA}
+    expected = {r: role[s.cause] for r, s in score_ranks(dict(enumerate(windows))).items()
+                if s.excess_frac >= frac and s.cause in role}
+    got = {a.world_rank: a.role for a in attribute_across_ranks(windows, straggler_frac=frac)
+           if a.role.name.startswith("STRAGGLER")}
+    assert got == expected
+    if name == "most ranks slow":
+        roles = [a.role for a in attribute_across_ranks(windows)]
+        # rank 0 waits 0.1 s more than the others (> 0.1 x 0.305), but on no straggler
+        assert roles == [RankRole.WAITING, RankRole.NORMAL, RankRole.NORMAL]
+
+
+@pytest.mark.parametrize("points,expected", [
+    ([], 0.0), ([(0, 0.5)], 0.0), ([(3, 0.5), (3, 0.7)], 0.0),      # too few / one x: flat
+    # mean x 1, mean y 0.8567: sum (x-1)(y-0.8567) = 0.09 over sum (x-1)^2 = 2 -> 0.045
+    ([(0, 0.80), (1, 0.88), (2, 0.89)], 0.045),
+    ([(10, 1.0), (20, 0.0)], -0.1),                                # 1.0 down over 10 steps
+])
+def test_slope(points, expected):
+    from raytrain_guard.core.stats import slope
+    assert slope(points) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("values,q,expected", [
+    ([1.0], 0.99, 1.0), (list(range(1, 21)), 0.99, 20), (list(range(1, 101)), 0.99, 99),
+    (list(range(1, 11)), 0.5, 5),                      # rank ceil(0.5 x 10) = 5
+])
+def test_nearest_rank(values, q, expected):
+    from raytrain_guard.core.stats import nearest_rank
+    assert nearest_rank(values, q) == expected

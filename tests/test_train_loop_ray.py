@@ -55,8 +55,8 @@ def _local_loop(**changes) -> GuardedTrainLoop:
     ({"micro_batch": 0}, "micro_batch: must be an integer >= 1"),
     ({"grad_accum": 1.5}, "grad_accum: must be an integer >= 1"),
     ({"strategy": "horovod"}, "strategy: unknown parallel strategy"),
-    ({"model_factory": "no_such_module:f"}, "model_factory: cannot be imported"),
-    ({"loss_fn": 42}, "loss_fn: is neither callable nor a 'module:attr' string"),
+    ({"model_factory": "no_such_module:f"}, "model_factory: cannot import module"),
+    ({"loss_fn": 42}, "loss_fn: not a 'module:attr' reference or a callable"),
     ({"guard": {"headroom": 0.2}}, "unknown key.*headroom_frac"),
     ({"decision_source": object()}, "decision_source: has no poll"),
 ])

@@ -26,9 +26,10 @@ Rules, every threshold from :class:`~raytrain_guard.config.GuardConfig`:
   ``params={"delay_s": pacing_delay_s}``; falling below the re-arm line -> ``PACE`` with
   ``delay_s`` 0. Decisions are changes of state; the adapter sleeps every step meanwhile.
 
-:func:`attribute_across_ranks` compares ranks with each other (the coordinator's view): the
-rank whose compute exceeds the others' is the straggler, and the ranks that wait in
-communication longer than the least-waiting rank are waiting on it.
+:func:`attribute_across_ranks` compares ranks with each other for the run's results: the
+stragglers are those of :func:`raytrain_guard.core.straggler.score_ranks` (the coordinator's
+rule), and the ranks that wait in communication longer than the least-waiting rank are
+waiting on them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
+from raytrain_guard.core.stats import slope
 from raytrain_guard.core.steps import StepStats
+from raytrain_guard.core.straggler import StragglerScore, TimingSummary, score_summaries, summarize
 from raytrain_guard.errors import InputError
 
 _STATE_VERSION = 1
@@ -170,6 +173,12 @@ class StepGate:
         self._last_release_s = None
 
     @property
+    def window(self) -> tuple[StepStats, ...]:
+        """The recent steps the rules compare with (at most ``step_window``, warm-up steps
+        left out), oldest first; also what the run's cross-rank attribution reads."""
+        return tuple(self._window)
+
+    @property
     def stopped(self) -> bool:
         """Whether CHECKPOINT_AND_STOP was decided already."""
         return self._stopped
@@ -187,10 +196,10 @@ class StepGate:
         if (cfg.memory_predict_steps == 0 or frac < cfg.memory_watermark_frac
                 or len(self._memory) < min(_MIN_MEDIAN_POINTS, cfg.memory_trend_steps)):
             return None
-        slope = _slope(list(self._memory))
-        predicted = frac + slope * cfg.memory_predict_steps
-        if slope > 0 and predicted >= cfg.memory_critical_frac:
-            return (f"memory at {frac:.1%} rising {slope:.2%} per step, {predicted:.1%} predicted "
+        rise = slope(list(enumerate(self._memory)))
+        predicted = frac + rise * cfg.memory_predict_steps
+        if rise > 0 and predicted >= cfg.memory_critical_frac:
+            return (f"memory at {frac:.1%} rising {rise:.2%} per step, {predicted:.1%} predicted "
                     f"in {cfg.memory_predict_steps} steps >= critical "
                     f"{cfg.memory_critical_frac:.0%}")
         return None
@@ -313,106 +322,65 @@ class RankAttribution:
     comm_wait_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class _RankMedians:
-    world_rank: int
-    total_s: float
-    data_wait_s: float
-    compute_s: float
-    comm_wait_s: float
-
-
 def attribute_across_ranks(windows: Sequence[Iterable[StepStats]], *,
                            straggler_frac: float = GuardConfig.straggler_frac
                            ) -> list[RankAttribution]:
-    """Name the straggler among ranks from each rank's recent StepStats window (pure).
+    """Name the stragglers among ranks from each rank's recent StepStats window (pure).
 
-    Per rank, the medians of total, data wait, compute and communication wait. With ``thr =
-    straggler_frac`` x the other ranks' median step time, a rank whose compute (or data wait)
-    exceeds the other ranks' median by more than ``thr`` is a compute (data) straggler; any
-    other rank whose communication wait exceeds the least one among ranks by more than ``thr``
-    is waiting (under DDP the straggler waits least and the others wait for it). One result
-    per window, in order; ``world_rank`` is taken from the stats (the position when empty).
+    The stragglers are the coordinator's (:func:`~raytrain_guard.core.straggler.score_ranks`):
+    a rank whose data wait or compute median exceeds the reference rank's (the lower median
+    across ranks) by ``straggler_frac`` of the median step or more is a data (compute)
+    straggler. Any other rank whose communication wait exceeds the least one among ranks by
+    more than ``straggler_frac`` x the median step is waiting (under DDP the straggler waits
+    least and the others wait for it). One result per window, in order; ``world_rank`` is
+    taken from the stats (the position when empty).
     """
     if not 0 < straggler_frac:
         raise InputError("straggler_frac", "must be > 0", value=straggler_frac,
                          fix="pass a fraction such as 0.1")
-    medians: list[_RankMedians | None] = []
-    for index, window in enumerate(windows):
-        steps = list(window)
-        if not steps:
-            medians.append(None)
-            continue
-        medians.append(_RankMedians(
-            steps[0].world_rank,
-            statistics.median(s.total_s for s in steps),
-            statistics.median(s.data_wait_s for s in steps),
-            statistics.median(s.compute_s for s in steps),
-            statistics.median(s.comm_wait_s for s in steps)))
-    known = [m for m in medians if m is not None]
-    roles = [_role(m, known, straggler_frac) if m is not None else None for m in medians]
-    stragglers = [r.world_rank for r in roles if r is not None and r.role in
-                  (RankRole.STRAGGLER_COMPUTE, RankRole.STRAGGLER_DATA)]
+    steps = [list(w) for w in windows]
+    ranks = [w[0].world_rank if w else index for index, w in enumerate(steps)]
+    summaries = {rank: summarize(w) for rank, w in zip(ranks, steps) if w}
+    scores = score_summaries(summaries, min_steps=1)
+    stragglers = [r for r, sc in scores.items()
+                  if sc.cause in (Cause.DATA, Cause.COMPUTE) and sc.excess_frac >= straggler_frac]
+    least_wait = min((m.comm_wait_s for m in summaries.values()), default=0.0)
     out = []
-    for index, (m, role) in enumerate(zip(medians, roles)):
-        if m is None:
-            out.append(RankAttribution(index, RankRole.NORMAL, f"rank at position {index}: "
-                                       f"no steps reported"))
-        elif role.role is RankRole.WAITING and stragglers:
-            on = ", ".join(str(r) for r in stragglers)
-            out.append(RankAttribution(role.world_rank, role.role,
-                                       f"{role.reason}; waiting on rank {on}",
-                                       *_figures(m)))
-        else:
-            out.append(role)
+    for rank, window in zip(ranks, steps):
+        if not window:
+            out.append(RankAttribution(rank, RankRole.NORMAL,
+                                       f"rank at position {rank}: no steps reported"))
+            continue
+        m = summaries[rank]
+        figures = (m.total_s, m.data_wait_s, m.compute_s, m.comm_wait_s)
+        if rank not in scores:
+            out.append(RankAttribution(rank, RankRole.NORMAL, f"rank {rank}: the only rank "
+                                       f"reporting, nothing to compare with", *figures))
+            continue
+        out.append(RankAttribution(rank, *_role(rank, m, scores[rank], straggler_frac,
+                                                least_wait, stragglers), *figures))
     return out
 
 
-def _role(m: _RankMedians, ranks: Sequence[_RankMedians], frac: float) -> RankAttribution:
-    others = [o for o in ranks if o is not m]
-    figures = _figures(m)
-    if not others:
-        return RankAttribution(m.world_rank, RankRole.NORMAL, f"rank {m.world_rank}: the only "
-                               f"rank reporting, nothing to compare with", *figures)
-    ref_total = statistics.median(o.total_s for o in others)
-    thr = frac * ref_total
-    compute_gap = m.compute_s - statistics.median(o.compute_s for o in others)
-    data_gap = m.data_wait_s - statistics.median(o.data_wait_s for o in others)
-    least_wait = min(r.comm_wait_s for r in ranks)
+def _role(rank: int, m: TimingSummary, score: StragglerScore, frac: float, least_wait: float,
+          stragglers: Sequence[int]) -> tuple[RankRole, str]:
+    thr = frac * score.step_s
+    tail = f"(straggler_frac {frac:g} x median step {score.step_s:.4f} s = {thr:.4f} s)"
+    if rank in stragglers:
+        excess = f"{score.excess_frac:+.1%} of a step over the reference rank {tail}"
+        if score.cause is Cause.COMPUTE:
+            return RankRole.STRAGGLER_COMPUTE, (
+                f"rank {rank}: compute {m.compute_s:.4f} s is {excess}; it waits "
+                f"{m.comm_wait_s:.4f} s in communication")
+        return RankRole.STRAGGLER_DATA, f"rank {rank}: data wait {m.data_wait_s:.4f} s is {excess}"
     wait_gap = m.comm_wait_s - least_wait
-    tail = (f"(threshold {thr:.4f} s = {frac:g} x others' median step {ref_total:.4f} s)")
-    if max(compute_gap, data_gap) > thr:
-        if compute_gap >= data_gap:
-            return RankAttribution(
-                m.world_rank, RankRole.STRAGGLER_COMPUTE,
-                f"rank {m.world_rank}: compute {m.compute_s:.4f} s is {compute_gap:+.4f} s over "
-                f"the other ranks' median {tail}; it waits {m.comm_wait_s:.4f} s in "
-                f"communication", *figures)
-        return RankAttribution(
-            m.world_rank, RankRole.STRAGGLER_DATA,
-            f"rank {m.world_rank}: data wait {m.data_wait_s:.4f} s is {data_gap:+.4f} s over "
-            f"the other ranks' median {tail}", *figures)
+    if wait_gap > thr and stragglers:
+        on = ", ".join(str(r) for r in stragglers)
+        return RankRole.WAITING, (
+            f"rank {rank}: waits {m.comm_wait_s:.4f} s in communication, {wait_gap:+.4f} s "
+            f"over the least-waiting rank {tail}; waiting on rank {on}")
     if wait_gap > thr:
-        return RankAttribution(
-            m.world_rank, RankRole.WAITING,
-            f"rank {m.world_rank}: waits {m.comm_wait_s:.4f} s in communication, "
-            f"{wait_gap:+.4f} s over the least-waiting rank {tail}", *figures)
-    return RankAttribution(m.world_rank, RankRole.NORMAL,
-                           f"rank {m.world_rank}: within {thr:.4f} s of the others {tail}",
-                           *figures)
-
-
-def _figures(m: _RankMedians) -> tuple[float, float, float, float]:
-    return m.total_s, m.data_wait_s, m.compute_s, m.comm_wait_s
-
-
-def _slope(values: Sequence[float]) -> float:
-    """Least-squares slope of ``values`` against their index (per step)."""
-    n = len(values)
-    if n < 2:
-        return 0.0
-    mean_x = (n - 1) / 2
-    mean_y = sum(values) / n
-    num = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(values))
-    den = sum((i - mean_x) ** 2 for i in range(n))
-    return num / den
+        return RankRole.WAITING, (
+            f"rank {rank}: waits {m.comm_wait_s:.4f} s in communication, {wait_gap:+.4f} s "
+            f"over the least-waiting rank {tail}")
+    return RankRole.NORMAL, f"rank {rank}: within {thr:.4f} s of the reference rank {tail}"

@@ -10,10 +10,10 @@ with two ranks it is the faster one, and with many ranks it is a typical healthy
 as fewer than half are slow. Communication is attributed only when no rank is slow in data or
 compute: otherwise a high communication wait is the symptom of waiting for the straggler.
 
-The step gate's ``core.gate.attribute_across_ranks`` names the same stragglers (a test checks
-it) but compares each rank with the median of all *others*, O(ranks^2): 0.3 s for 1024 ranks
-here. The coordinator instead summarizes each rank's window once per report
-(:func:`summarize`) and scores the summaries in O(ranks) (:func:`score_summaries`).
+This is the one straggler rule: the coordinator summarizes each rank's window once per report
+(:func:`summarize`) and scores the summaries in O(ranks) (:func:`score_summaries`); the train
+loop's end-of-run attribution (``core.gate.attribute_across_ranks``) names its stragglers
+with the same scores, adding only who waits on them.
 
 Worked example (4 ranks, every step 1.0 s, medians over each rank's window)::
 
@@ -26,12 +26,12 @@ Worked example (4 ranks, every step 1.0 s, medians over each rank's window)::
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from raytrain_guard.core.decisions import Cause
+from raytrain_guard.core.stats import nearest_rank
 from raytrain_guard.core.steps import StepStats
 
 
@@ -72,13 +72,12 @@ def summarize(window: Sequence[StepStats]) -> TimingSummary:
     if not window:
         return TimingSummary(0.0, 0.0, 0.0, 0.0, 0)
     totals = sorted(s.total_s for s in window)
-    n = len(totals)
     return TimingSummary(statistics.median([s.data_wait_s for s in window]),
                          statistics.median([s.forward_s + s.backward_s + s.optimizer_s
                                             for s in window]),
                          statistics.median([s.comm_wait_s for s in window]),
-                         statistics.median(totals), n,
-                         totals[max(0, math.ceil(0.99 * n) - 1)])
+                         statistics.median(totals), len(totals),
+                         nearest_rank(totals, 0.99))
 
 
 def score_ranks(windows: Mapping[int, Sequence[StepStats]], *, min_steps: int = 3,

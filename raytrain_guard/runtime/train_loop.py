@@ -56,22 +56,21 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib
 import json
 import logging
 import os
 import random
 import tempfile
 import time
-from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, Mapping
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.decisions import Action, Cause, Decision
+from raytrain_guard.core.decisions import Action, Decision
 from raytrain_guard.core.memory_model import Strategy
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import GuardError, InputError
+from raytrain_guard.factories import load_object
 from raytrain_guard.runtime.model import parse_strategy
 
 logger = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ class LoopConfig:
             if name not in values:
                 raise InputError(f"train_loop_config[{name!r}]", "missing",
                                  fix="pass a 'module:attr' string or a callable")
-            values[name] = resolve_callable(values[name], field_name=name)
+            values[name] = load_object(values[name], field_name=name)
         for name, lo in (("micro_batch", 1), ("grad_accum", 1), ("epochs", 1), ("seed", 0)):
             if name in values:
                 values[name] = _as_int(name, values[name], lo)
@@ -162,27 +161,6 @@ class LoopConfig:
         costs about 2 ms per call on gloo on a 2-core box (benchmarks/stop_flag_cost.py), half
         a toy step; a rank that hits critical memory then waits at most K - 1 steps."""
         return self.stop_check_every_steps or self.guard.lockstep_every_steps
-
-
-def resolve_callable(value: Any, *, field_name: str) -> Callable[..., Any]:
-    """A callable, or a ``"package.module:attr"`` string imported now."""
-    if callable(value):
-        return value
-    if not isinstance(value, str) or ":" not in value:
-        raise InputError(field_name, "is neither callable nor a 'module:attr' string",
-                         value=value, fix="pass e.g. 'mypkg.models:make_model' or a function")
-    module_name, _, attr = value.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise InputError(field_name, f"cannot be imported ({exc})", value=value,
-                         fix="check the module is importable on every worker "
-                             "(runtime_env working_dir or py_modules)") from None
-    if not callable(obj):
-        raise InputError(field_name, "is not callable", value=value, fix="point at a function")
-    return obj
 
 
 def _as_int(name: str, value: Any, lo: int) -> int:
@@ -262,7 +240,6 @@ class GuardedTrainLoop:
         self.world_size = self.ctx.world_size
         self.step = 0
         self.decisions: list[dict[str, Any]] = []
-        self.window: deque[StepStats] = deque(maxlen=config.guard.step_window)
         self.pending: list[Decision] = []      # from the decision source, for later steps
         self.stop_reason: str | None = None
         self._local_stop: Decision | None = None
@@ -474,7 +451,6 @@ class GuardedTrainLoop:
             self.step = step + 1
             decisions = self.guard.end_step(step)
             new_stats = self.guard.drain_stats()
-            self.window.extend(new_stats)
             for stats in new_stats:
                 self.metrics.record(stats)
             if self._boundary(self.step, decisions, new_stats):
@@ -693,7 +669,8 @@ class GuardedTrainLoop:
         from raytrain_guard.core.gate import attribute_across_ranks
         from raytrain_guard.runtime.checkpoint import gather_objects
 
-        own = {"world_rank": self.rank, "window": [s.to_dict() for s in self.window],
+        own = {"world_rank": self.rank,
+               "window": [s.to_dict() for s in self.guard.gate.window],   # warm-up left out
                "decisions": self.decisions, "loader": self.loader.stats(),
                "faults_applied": getattr(self.faults, "num_delays", 0),
                "batch_changes": [dict(c, world_rank=self.rank) for c in self.batch_changes]}
