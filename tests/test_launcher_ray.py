@@ -36,6 +36,7 @@ from raytrain_guard.cluster.actors import COORDINATOR_PREFIX, MONITOR_PREFIX   #
 from raytrain_guard.cluster.client import coordinator_name   # noqa: E402
 from raytrain_guard.cluster.demo import rehearsal_probes   # noqa: E402
 from raytrain_guard.cluster.launcher import PlanDoesNotFit, launch   # noqa: E402
+from raytrain_guard.config import GuardConfig   # noqa: E402
 
 pytestmark = pytest.mark.ray
 NS = "rtg_test_launcher"
@@ -49,6 +50,8 @@ def _config() -> dict:
             "optimizer_factory": toy.make_optimizer, "loss_fn": toy.loss_fn,
             "micro_batch": 8, "epochs": EPOCHS, "num_workers": 0, "measure_bandwidth": False,
             "checkpoint_every_steps": 10_000,
+            # a GuardConfig as the loop's guard: the one config of the run, coordinator too
+            "guard": GuardConfig(memory_watermark_frac=0.86),
             "faults": {"delay": [{"seconds": 0.04, "phase": "forward", "ranks": [1]}]}}
 
 
@@ -125,7 +128,8 @@ def test_a_cluster_decision_is_applied_at_one_step_on_every_rank(guarded_run):
         if d["decision_id"] and d["scope"] == "cluster":
             assert len(d["steps"]) == 1, f"decision {d['decision_id']} split: {d['steps']}"
             assert sorted(d["ranks"]) == [0, 1]
-    assert "89%" in releases[0]["reason"]
+    # GPU 0 (holding the workers) at 89 %, against the guard's watermark, not the default 88 %
+    assert "GPU 0 at 89%" in releases[0]["reason"] and "watermark 86%" in releases[0]["reason"]
 
 
 def test_the_summary_names_the_straggler_and_has_the_figures(guarded_run):
@@ -145,6 +149,7 @@ def test_status_cli_reads_the_live_coordinator_with_token_auth(guarded_run):
     assert proc.returncode == 0, proc.stderr[-2000:]
     status = json.loads(proc.stdout)
     assert status["coordinator"] == coordinator_name("kill1")
+    assert status["attempt"] == 1                  # issued by the coordinator, no clock
     assert sorted(int(r) for r in status["ranks"]) == [0, 1]
     assert status["step_p50_s"] is not None
     gpus = [g for n in status["nodes"].values() for g in n["gpus"]]
