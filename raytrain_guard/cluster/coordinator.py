@@ -51,6 +51,7 @@ from raytrain_guard.core.decisions import Action, Decision
 from raytrain_guard.core.node_samples import NodeSample, RunSetup
 from raytrain_guard.core.policy import (ClusterView, PolicyState, RankView, decide,
                                         default_apply_step)
+from raytrain_guard.core.stats import nearest_rank
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import StragglerScore
 
@@ -366,8 +367,5 @@ def _step_stats(row: Any) -> StepStats:
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank quantile (p99 of 50 values is the largest; p50 of 4 is the 2nd)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+    """Nearest-rank quantile (:func:`~raytrain_guard.core.stats.nearest_rank`), None when empty."""
+    return nearest_rank(sorted(values), q) if values else None

@@ -42,6 +42,7 @@ from typing import Mapping
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
 from raytrain_guard.core.node_samples import GpuSample, NodeSample, RunSetup
+from raytrain_guard.core.stats import slope
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import (StragglerScore, TimingSummary, score_summaries,
                                            summarize)
@@ -74,7 +75,7 @@ class RankView:
     def __post_init__(self) -> None:
         object.__setattr__(self, "timing", summarize(self.window))
         points = [(s.step, s.memory_frac) for s in self.window if s.memory_frac is not None]
-        object.__setattr__(self, "memory", MemoryTrend(points[-1][1], _slope(points),
+        object.__setattr__(self, "memory", MemoryTrend(points[-1][1], slope(points),
                                                        points[-1][0]) if points else None)
 
 
@@ -210,19 +211,6 @@ def run_gpus(node: NodeSample, runs_ranks: bool = True
         why = "no GPU lists a registered worker's pid (the driver sees another pid namespace?)"
     return node.gpus, (f"node {node.node_id}: every GPU counts as this run's memory pressure: "
                        f"{why}")
-
-
-def _slope(points: list[tuple[int, float]]) -> float:
-    """Least-squares slope of memory fraction per step; 0 with fewer than two distinct steps."""
-    n = len(points)
-    if n < 2:
-        return 0.0
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx == 0:
-        return 0.0
-    return sum((x - mx) * (y - my) for x, y in points) / sxx
 
 
 def _cooled(last_apply_step: int | None, latest: int | None, config: GuardConfig) -> bool:
