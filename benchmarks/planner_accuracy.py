@@ -6,8 +6,9 @@ was never traced (3 x). The same models are then trained for real - AdamW, the l
 ``loss.backward(); opt.step(); opt.zero_grad()`` - with one rank (no DDP wrapper, as Ray's
 ``prepare_model`` does at world size 1) and with two gloo ranks (real processes,
 ``torch.multiprocessing.spawn``) under DDP, DDP + ``ZeroRedundancyOptimizer`` (zero1) and FSDP2
-``fully_shard`` per unit of ``trace.wrap_units`` plus the root (``reshard_after_forward`` True:
-fsdp-full, False: fsdp-grad-op). Measured peak:
+``fully_shard`` per unit of ``runtime.model.wrap_units`` plus the root (``reshard_after_forward``
+True: fsdp-full, False: fsdp-grad-op), all through the train loop's own ``wrap_model`` and
+``wrap_optimizer``. Measured peak:
 
 * ``--device cpu`` (default): PyTorch's own accounting, MemTracker on the real CPU tensors. One
   tracker covers DDP's construction and three steps, so DDP's gradient buckets and their rebuild
@@ -36,7 +37,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from examples import models  # noqa: E402
 from raytrain_guard.core.memory_model import TrainingSetup, estimate  # noqa: E402
-from raytrain_guard.trace import skip_frozen_grad_hooks, trace_model, wrap_units  # noqa: E402
+from raytrain_guard.runtime.model import wrap_model, wrap_optimizer  # noqa: E402
+from raytrain_guard.trace import skip_frozen_grad_hooks, trace_model  # noqa: E402
 
 STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full")
 
@@ -91,26 +93,13 @@ def _steps(wrapped, opt, batch, loss_fn, tracker=None):
 
 
 def _wrap(model, world_size, dev, strategy):
-    """(model to call, optimizer): DDP, DDP + ZeroRedundancyOptimizer, or FSDP2 per unit."""
-    def adamw(params):
-        return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-3)
-
-    if world_size == 1 and strategy == "ddp":
-        return model, adamw(model.parameters())  # Ray's prepare_model does not wrap one rank
-    if strategy.startswith("fsdp"):
-        from torch.distributed.fsdp import fully_shard
-        reshard = strategy == "fsdp-full"
-        for unit in wrap_units(model):
-            fully_shard(unit, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
-        return model, adamw(model.parameters())
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-    if strategy == "zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ddp, ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad],
-                                            optimizer_class=torch.optim.AdamW, lr=1e-3)
-    return ddp, adamw(model.parameters())
+    """(model to call, optimizer), wrapped the way the train loop does it: ``wrap_model``
+    (DDP; FSDP2 per ``wrap_units`` unit plus the root; nothing at world size 1, as Ray's
+    ``prepare_model``) and ``wrap_optimizer`` (ZeroRedundancyOptimizer under zero1)."""
+    planned = wrap_model(model, strategy=strategy, device=dev, use_ray=False)
+    adamw = torch.optim.AdamW([p for p in planned.module.parameters() if p.requires_grad],
+                              lr=1e-3)
+    return planned.module, wrap_optimizer(planned, adamw)
 
 
 def _rank_main(rank: int, world_size: int, device: str, jobs, init_file: str, out_dir: str):
