@@ -54,9 +54,9 @@ from torch.utils.data import DataLoader
 
 from raytrain_guard.batch_inspect import SAME_SHAPE_FIX, is_list_backed, measure_dataset
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.host_memory import host_memory, read_cgroup_memory, within_cgroup  # noqa: F401
 from raytrain_guard.core.dataloader_sizing import DataLoaderPlan, size_dataloader
 from raytrain_guard.errors import InputError, PlanInputError
+from raytrain_guard.host_memory import host_memory, read_cgroup_memory, within_cgroup  # noqa: F401
 from raytrain_guard.runtime.batches import batch_nbytes, batch_signature, map_tensors
 from raytrain_guard.runtime.context import current_context
 from raytrain_guard.runtime.device_prefetch import DevicePrefetcher, ThreadedPrefetcher
@@ -340,7 +340,8 @@ class GuardedDataLoader:
         if self._wants_thread():
             move = None
             if device is not None and device.type != "cpu":
-                move = lambda batch: map_tensors(batch, lambda t: t.to(device))  # noqa: E731
+                def move(batch: Any) -> Any:
+                    return map_tensors(batch, lambda t: t.to(device))
             self._stage = ThreadedPrefetcher(self._torch_iter, depth, move)
         elif device is not None:
             self._stage = DevicePrefetcher(self._torch_iter, device, depth)
