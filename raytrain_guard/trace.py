@@ -47,8 +47,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from raytrain_guard.core.memory_model import OptimizerKind, Precision
 from raytrain_guard import factories
+from raytrain_guard.core.memory_model import OptimizerKind, Precision
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.errors import TraceError
 from raytrain_guard.runtime.model import wrap_units

@@ -225,9 +225,9 @@ def wrap_optimizer(planned: PlannedModel, optimizer: Any) -> Any:
     """
     if planned.strategy != Strategy.ZERO1 or planned.kind != KIND_DDP:
         return optimizer
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     import inspect
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     # defaults as constructor arguments (some group keys, e.g. AdamW's decoupled_weight_decay,
     # are not); each group goes in whole, with its own settings
