@@ -25,6 +25,7 @@ step where no exchange did.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -37,11 +38,13 @@ class ControlPlane:
 
     ``world_size`` 1: no collective, :meth:`agree` answers from the local values. ``group``: the
     process group to reduce over (a gloo group; None: the default group, which must be gloo).
+    The plane holds it weakly: ``destroy_process_group`` frees it as it would without the plane
+    (a group kept alive past that aborts the process at exit, in gloo's thread teardown).
     """
 
     def __init__(self, world_size: int, group: Any = None) -> None:
         self.world_size = world_size
-        self.group = group
+        self._group = weakref.ref(group) if group is not None else None
         self.local_stop = False          # this rank's gate asked to stop (set by the loop)
         self.agreed_stop = False         # some rank asked, as of the last round
         self.num_rounds = 0              # rounds run; the loop compares it around a poll
@@ -49,6 +52,16 @@ class ControlPlane:
         if world_size > 1:
             import torch
             self._buffer = torch.zeros(2, dtype=torch.int64)     # CPU, reused every round
+
+    @property
+    def group(self) -> Any:
+        """The gloo side group, or None for the default group (raises once it was destroyed)."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise RuntimeError("control plane: its process group was destroyed")
+        return group
 
     @classmethod
     def for_default_group(cls) -> "ControlPlane":
@@ -85,7 +98,7 @@ class ControlPlane:
         return int(buffer[0]), int(buffer[1])
 
 
-_shared: tuple[Any, ControlPlane] | None = None    # (the default group it serves, the plane)
+_shared: tuple[Any, ControlPlane] | None = None    # (weak ref to the default group, the plane)
 
 
 def shared_control_plane() -> ControlPlane:
@@ -96,8 +109,9 @@ def shared_control_plane() -> ControlPlane:
     import torch.distributed as dist
 
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    if _shared is None or _shared[0] is not world:
-        _shared = (world, ControlPlane.for_default_group())
+    if _shared is None or (_shared[0]() if _shared[0] is not None else None) is not world:
+        _shared = (weakref.ref(world) if world is not None else None,
+                   ControlPlane.for_default_group())
         logger.debug("control plane: world of %d, %s group", _shared[1].world_size,
                      "default" if _shared[1].group is None else "gloo side")
     return _shared[1]
