@@ -92,6 +92,26 @@ def test_bad_input_fails_before_any_collective(changes, match):
         _local_loop(**changes)._build()
 
 
+def test_cluster_release_cache_is_spaced(caplog):
+    # release_cache_min_interval_s 30: releases at t=0 and t=31 run, the one at t=10 is skipped
+    # (the gate spaces its own releases the same way).
+    import logging
+
+    from raytrain_guard.core.decisions import Action, Decision
+    now = [0.0]
+    cfg = LoopConfig.from_dict({**BASE, "guard": {"release_cache_min_interval_s": 30.0}})
+    loop = GuardedTrainLoop(cfg, context=WorkerContext(world_rank=0, world_size=2),
+                            clock=lambda: now[0])
+    release = Decision(Action.RELEASE_CACHE, "hot", 0, scope="cluster", decision_id=1)
+    with caplog.at_level(logging.INFO, logger="raytrain_guard.runtime.train_loop"):
+        for t in (0.0, 10.0, 31.0):
+            now[0] = t
+            loop._apply_cluster(release)
+    skipped = [r for r in caplog.records if "cluster release_cache skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "10.0 s ago" in skipped[0].getMessage()
+    assert loop._last_cluster_release_s == 31.0
+
+
 # -- real TorchTrainer runs ----------------------------------------------------------------------
 
 ray = pytest.importorskip("ray")
