@@ -134,6 +134,34 @@ class StepGate:
                     delay_s=0.0))
         return decisions
 
+    def quiet_limits(self, num_steps: int) -> tuple[float, float] | None:
+        """Bounds under which the next ``num_steps`` steps are sure to decide nothing:
+        ``(total_s, memory_frac)``: a step with ``total_s <=`` the first and no memory reading
+        or one ``<`` the second yields no decision whatever other such steps precede it, so a
+        caller may feed such steps later, in order, with the same decisions at the same steps
+        (StepGuard's fast path). None: no such bound now (fewer than three steps in the
+        window: the next step may be the first one judged).
+
+        The time bound is the lower of ``slow_step_abs_s`` and ``slow_step_factor`` x the
+        ``(n - 1) // 2 - (num_steps - 1)``-th smallest of the window's n totals: after j <
+        num_steps more steps enter the window (j evicted, or none while it fills) its median is
+        at least the ``(n - 1) // 2 - j``-th of today's, so the threshold of each of those steps
+        is at least this bound; 0 when that index is below 0. The memory bound is the re-arm
+        line while the watermark is armed and the gate is not pacing (below it
+        :meth:`observe_memory` returns at once and changes no state), else -inf: every
+        reading counts then (it may re-arm or stop pacing)."""
+        totals, n = self._sorted_totals, len(self._sorted_totals)
+        if n < _MIN_MEDIAN_POINTS:
+            return None
+        cfg = self.config
+        index = (n - 1) // 2 - (num_steps - 1)
+        bound_s = cfg.slow_step_factor * totals[index] if index >= 0 else 0.0
+        if cfg.slow_step_abs_s is not None:
+            bound_s = min(bound_s, cfg.slow_step_abs_s)
+        quiet_frac = (cfg.memory_watermark_frac - cfg.memory_hysteresis_frac
+                      if self._armed and not self._pacing else float("-inf"))
+        return bound_s, quiet_frac
+
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able) to checkpoint the gate. The release spacing restarts on load:
         a monotonic clock reading means nothing in another process. ``stopped`` is not kept:
