@@ -112,6 +112,14 @@ class GuardConfig:
         5.0, "Least time between two cache releases of one rank, whatever the hysteresis says. "
         "Default 5 s: torch.cuda.empty_cache synchronizes the device and the next steps pay to "
         "re-allocate, so releasing more often costs more than it frees.", 0.0)
+    memory_read_every_steps: int = _doc(
+        4, "Host-memory probes under StepGuard's fast path (a host step timer, the gate's quiet "
+        "bounds known): a reading more than 0.05 below memory_watermark_frac is reused for the "
+        "next steps and the probe read again every this many steps; a reading at or above that "
+        "line is taken every step. Default 4: the /proc read was the largest part of the guard's "
+        "cost next to a ~10 ms CPU step; 5 points of the budget is more than a steady loop grows "
+        "in 4 steps, and a jump past it is seen at most 3 steps late. 1: read every step. Device "
+        "probes and the first steps (no quiet bounds yet) are read every step.", 1)
     memory_trend_steps: int = _doc(
         5, "Recent memory readings the gate fits a line through (least squares) to predict the "
         "memory fraction ahead. Default 5: enough points to ignore one noisy reading.", 2)

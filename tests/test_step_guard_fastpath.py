@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.decisions import Cause
 from raytrain_guard.core.gate import StepGate
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.runtime.probes import ScriptedProbe
@@ -110,3 +111,32 @@ def test_drain_and_state_dict_see_buffered_steps():
     assert guard._buffer                    # quiet steps are waiting (45 is no multiple of 10)
     assert [s.step for s in guard.drain_stats()][-1] == 44
     assert guard.state_dict()["gate"]["num_seen"] == 45
+
+
+def test_host_memory_far_below_the_watermark_is_read_every_few_steps():
+    # memory_read_every_steps=4, lockstep_every_steps=5: quiet bounds from step 11 on (see
+    # above). Steps 0-10 read every step (11 reads); from 11 on, 0.50 < 0.88 - 0.05 is reused
+    # for 3 steps: reads at 11, 15, 19 (3 reads). At 19 the script reads 0.84 >= 0.83: every
+    # step from then on (20-24: 5 reads) -> 19 reads for 25 steps.
+    config = GuardConfig(lockstep_every_steps=5, memory_read_every_steps=4)
+    fracs = [0.5] * 13 + [0.84]             # read number 14 (step 19) is 0.84, then repeats
+    probe = ScriptedProbe(fracs, cause=Cause.HOST_MEMORY)
+    clock = HandClock()
+    guard = StepGuard(config, probe=probe, timer=StepTimer(clock=clock))
+    for step in range(25):
+        guard.begin_step(step)
+        clock.now += 0.01
+        guard.mark("forward")
+        guard.end_step(step)
+    assert probe.num_reads == 19
+    stats = guard.drain_stats()
+    assert [s.memory_frac for s in stats[11:20]] == pytest.approx([0.5] * 8 + [0.84])
+    # a device probe is read every step
+    device = ScriptedProbe([0.5])
+    guard = StepGuard(config, probe=device, timer=StepTimer(clock=clock))
+    for step in range(25):
+        guard.begin_step(step)
+        clock.now += 0.01
+        guard.mark("forward")
+        guard.end_step(step)
+    assert device.num_reads == 25

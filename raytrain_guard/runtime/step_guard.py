@@ -49,6 +49,9 @@ from raytrain_guard.runtime.timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
+#: A host-memory reading this far below the watermark may be reused (memory_read_every_steps).
+_REUSE_MARGIN_FRAC = 0.05
+
 
 class StepGuard:
     """Joins a :class:`StepTimer`, a memory probe and a :class:`StepGate` for one worker.
@@ -89,6 +92,14 @@ class StepGuard:
         self._quiet_s = -1.0           # no bound yet: every step goes to the gate
         self._quiet_frac = float("-inf")
         self._late: list[Decision] = []
+        # host-memory readings far below the watermark are reused on the fast path
+        # (config.memory_read_every_steps): steps left to reuse, the reading, the line
+        self._reuse_steps = (config.memory_read_every_steps - 1
+                             if self._fast and getattr(probe, "cause", None) is Cause.HOST_MEMORY
+                             else 0)
+        self._reuse_left = 0
+        self._reused_frac: float | None = None
+        self._reuse_below = config.memory_watermark_frac - _REUSE_MARGIN_FRAC
         if fault_injector is None:
             self.mark = self.timer.mark      # type: ignore[method-assign]  # one call less
 
@@ -119,12 +130,19 @@ class StepGuard:
         (RELEASE_CACHE, PACE) and return every decision. CHECKPOINT_AND_STOP and SLOW_STEP
         are the caller's. On CUDA the timings belong to an earlier step (see StepTimer)."""
         frac = None
-        if self.probe is not None:
+        if self._reuse_left > 0:
+            self._reuse_left -= 1
+            frac = self._reused_frac
+        elif self.probe is not None:
             try:
                 reading = self.probe.read()
                 frac = reading.frac
             except Exception:  # noqa: BLE001 - the guard fails open
                 self._failed_once("probe")
+            if self._reuse_steps and frac is not None and frac < self._reuse_below \
+                    and self._quiet_s > 0:
+                self._reuse_left = self._reuse_steps
+                self._reused_frac = frac
         if self._fast:
             try:
                 record, total_s = self.timer.close_step(step)
@@ -252,6 +270,7 @@ class StepGuard:
         if state.get("gate"):
             self.gate.load_state_dict(state["gate"])
             self._refresh_bounds()
+            self._reuse_left = 0
         self.set_pace(state.get("pace_delay_s", 0.0))
 
     # -- actions -----------------------------------------------------------------------------
