@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from raytrain_guard import factories
-from raytrain_guard.core.memory_model import OptimizerKind, Precision
+from raytrain_guard.core.memory_model import OptimizerKind, Precision, coerce_enum
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.errors import TraceError
 from raytrain_guard.runtime.model import wrap_units
@@ -107,8 +107,8 @@ def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Ca
     factory's own batch size); the first is the one ``peak_bytes`` reports.
     """
     start = clock()
-    precision = _coerce(Precision, precision, "precision")
-    optimizer = _coerce(OptimizerKind, optimizer, "optimizer")
+    precision = coerce_enum(Precision, precision, "precision", error=TraceError)
+    optimizer = coerce_enum(OptimizerKind, optimizer, "optimizer", error=TraceError)
     if micro_batches is not None and not (
             len(micro_batches) == 2 and all(isinstance(b, int) and b > 0 for b in micro_batches)
             and micro_batches[0] != micro_batches[1]):
@@ -143,13 +143,6 @@ def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Ca
 class _OpFailure(Exception):
     """The model failed while running on a fake/meta device (message names the op)."""
 
-
-def _coerce(cls, value, name):
-    try:
-        return cls(value)
-    except ValueError:
-        raise TraceError(name, "unknown value", value=value,
-                         fix="choose one of: " + ", ".join(m.value for m in cls)) from None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from raytrain_guard.core.memory_model import Precision
+from raytrain_guard.core.memory_model import Precision, coerce_enum
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.errors import PlanInputError
 
@@ -159,9 +159,9 @@ def transformer_activations(shape: TransformerShape, *, precision: Precision | s
                             recompute: Recompute | str = "none",
                             attention: AttentionKernel | str = "flash") -> ActivationProfile:
     """Activation bytes at the backward peak, ``fixed + per_sample * micro_batch``."""
-    precision = _enum(Precision, precision, "precision")
-    recompute = _enum(Recompute, recompute, "recompute")
-    attention = _enum(AttentionKernel, attention, "attention")
+    precision = coerce_enum(Precision, precision, "precision")
+    recompute = coerce_enum(Recompute, recompute, "recompute")
+    attention = coerce_enum(AttentionKernel, attention, "attention")
     e = ACTIVATION_BYTES[precision]
     s, h, v = shape.seq_len, shape.hidden, shape.vocab
     layer = layer_activation_bytes(shape, 1, precision, attention, recompute)
@@ -198,10 +198,3 @@ def analytic_transformer(*, layers: int, hidden: int, heads: int, seq_len: int, 
             transformer_activations(shape, precision=precision, recompute=recompute,
                                     attention=attention))
 
-
-def _enum(cls, value, name):
-    try:
-        return cls(value)
-    except ValueError:
-        raise PlanInputError(name, "unknown value", value=value,
-                             fix="choose one of: " + ", ".join(m.value for m in cls)) from None

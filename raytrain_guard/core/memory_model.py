@@ -112,13 +112,15 @@ STATE_COPIES = {OptimizerKind.SGD: 0, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKi
                 OptimizerKind.ADAMW: 2}
 
 
-def _coerce(enum_cls, value, field_name: str):
+def coerce_enum(enum_cls, value, field_name: str, *,
+                error: type[PlanInputError] = PlanInputError):
+    """``enum_cls(value)``, or ``error`` naming ``field_name`` and listing the choices."""
     try:
         return enum_cls(value)
     except ValueError:
         choices = ", ".join(m.value for m in enum_cls)
-        raise PlanInputError(field_name, "unknown value", value=value,
-                             fix=f"choose one of: {choices}") from None
+        raise error(field_name, "unknown value", value=value,
+                    fix=f"choose one of: {choices}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,10 +143,10 @@ class TrainingSetup:
     foreach: bool = True                    # optimizer implementation (CUDA default)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "strategy", _coerce(Strategy, self.strategy, "strategy"))
-        object.__setattr__(self, "precision", _coerce(Precision, self.precision, "precision"))
+        object.__setattr__(self, "strategy", coerce_enum(Strategy, self.strategy, "strategy"))
+        object.__setattr__(self, "precision", coerce_enum(Precision, self.precision, "precision"))
         object.__setattr__(self, "optimizer",
-                           _coerce(OptimizerKind, self.optimizer, "optimizer"))
+                           coerce_enum(OptimizerKind, self.optimizer, "optimizer"))
         for name in ("micro_batch", "grad_accum", "world_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
