@@ -31,7 +31,6 @@ import time
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.policy import default_apply_step
 
-
 # -- part 1: simulation ------------------------------------------------------------------------
 
 def total_stall(stall_at: dict[int, list[float]]) -> float:
@@ -112,6 +111,7 @@ def _worker(rank: int, world: int, port: int, stall_s: float, steps: int, reps: 
 
 def run_real(world: int, stall_s: float, steps: int, reps: int):
     import socket
+
     import torch.multiprocessing as mp
 
     with socket.socket() as s:

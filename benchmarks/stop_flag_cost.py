@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def _worker(rank: int, port: int, steps: int, rounds: int, queue) -> None:
     import toy
+
     from raytrain_guard.runtime.bandwidth import measure_allreduce_curve
     from raytrain_guard.runtime.model import wrap_model
 
