@@ -115,11 +115,21 @@ class GuardConfig:
     memory_read_every_steps: int = _doc(
         4, "Host-memory probes under StepGuard's fast path (a host step timer, the gate's quiet "
         "bounds known): a reading more than 0.05 below memory_watermark_frac is reused for the "
-        "next steps and the probe read again every this many steps; a reading at or above that "
-        "line is taken every step. Default 4: the /proc read was the largest part of the guard's "
-        "cost next to a ~10 ms CPU step; 5 points of the budget is more than a steady loop grows "
-        "in 4 steps, and a jump past it is seen at most 3 steps late. 1: read every step. Device "
-        "probes and the first steps (no quiet bounds yet) are read every step.", 1)
+        "next steps and the probe read again every this many steps, or less often the farther "
+        "below the line the reading is (up to 4x this many steps: as long as memory growing by "
+        "0.05 / this many steps of the budget per step stays under the line); a reading at or "
+        "above that line is taken every step. Default 4: the /proc read was the largest part of "
+        "the guard's cost next to a ~10 ms CPU step; 5 points of the budget is more than a steady "
+        "loop grows in 4 steps, and a jump past the line is seen at most 15 steps late (3 near "
+        "it). 1: read every step. Device probes and the first steps (no quiet bounds yet) are "
+        "read every step.", 1)
+    gate_batch_steps: int = _doc(
+        20, "StepGuard's fast path (a host step timer): steps that cannot decide anything wait and "
+        "reach the gate together at least every this many steps. Default 20: feeding the gate "
+        "has a fixed cold-cache cost (about 0.1 ms next to a ~10 ms CPU step, more than the "
+        "per-step part) that 20 steps share; capped at step_window // 2 - 5 so that the quiet "
+        "bound stays 1.5x at least the sixth fastest step of the window. 1: every step goes to "
+        "the gate at once. Decisions come at the same steps whatever the value.", 1)
     memory_trend_steps: int = _doc(
         5, "Recent memory readings the gate fits a line through (least squares) to predict the "
         "memory fraction ahead. Default 5: enough points to ignore one noisy reading.", 2)

@@ -207,6 +207,13 @@ class StepGate:
         return tuple(self._window)
 
     @property
+    def slow_run_length(self) -> int:
+        """Slow steps in a row at the end of what was fed (0 after a step under the threshold):
+        with :meth:`quiet_limits`, how many more steps over its time bound may wait before one
+        of them could complete a run of ``num_slow_steps``."""
+        return len(self._run)
+
+    @property
     def stopped(self) -> bool:
         """Whether CHECKPOINT_AND_STOP was decided already."""
         return self._stopped

@@ -18,12 +18,17 @@ that raises is logged once and the step goes on.
 
 Fast path (host timers): a step whose total time is at or under the gate's quiet bound and
 whose memory reading is under its quiet line (:meth:`StepGate.quiet_limits`) is only buffered,
-two comparisons. The buffer goes to the gate, in order, as StepStats, when a step breaks a
-bound, every ``lockstep_every_steps`` steps, and before :meth:`StepGuard.drain_stats`,
-:meth:`~StepGuard.state_dict` or a read of :attr:`~StepGuard.gate`. The bounds are such that
-buffered steps decide nothing, so every decision comes at the same step as with a gate fed
-every step; the saving is the StepStats and the gate call of the quiet steps (cold-cache
-Python: about half of the guard's per-step cost next to a ~10 ms step).
+two comparisons. A step over the time bound waits too, unless it could complete a run of
+``num_slow_steps`` slow steps with the steps over the bound before it (buffered, or the gate's
+own run, :attr:`StepGate.slow_run_length`): a step at or under the bound ends any run, so an
+isolated slow step (a noisy box has many) decides nothing. The buffer goes to the gate, in
+order, as StepStats, when a step may decide something, every ``gate_batch_steps`` steps,
+and before :meth:`StepGuard.drain_stats`, :meth:`~StepGuard.state_dict` or a read of
+:attr:`~StepGuard.gate`. Buffered steps decide nothing, so every decision comes at the same
+step as with a gate fed every step; the saving is the StepStats and the gate call of the
+waiting steps (cold-cache Python: about half of the guard's per-step cost next to a ~10 ms
+step). A host-memory reading far below the watermark is reused for a few steps
+(``memory_read_every_steps``, more the farther below): the ``/proc`` read is the other half.
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ logger = logging.getLogger(__name__)
 
 #: A host-memory reading this far below the watermark may be reused (memory_read_every_steps).
 _REUSE_MARGIN_FRAC = 0.05
+#: Far below that line a reading is reused longer, up to this many times memory_read_every_steps
+#: steps: as long as memory growing steadily by _REUSE_MARGIN_FRAC / memory_read_every_steps of
+#: the budget per step (the rate the margin is sized for) stays under the line.
+_REUSE_MAX_FACTOR = 4
 
 
 class StepGuard:
@@ -88,9 +97,12 @@ class StepGuard:
         # end_step returned (none expected: buffered steps decide nothing)
         self._fast = bool(getattr(self.timer, "on_host", False))
         self._buffer: list[tuple[Any, float | None]] = []
-        self._horizon = config.lockstep_every_steps
+        self._horizon = min(config.gate_batch_steps, max(1, config.step_window // 2 - 5))
         self._quiet_s = -1.0           # no bound yet: every step goes to the gate
         self._quiet_frac = float("-inf")
+        self._num_slow = config.num_slow_steps
+        self._over = 0                 # buffered steps over the time bound, in a row, at the end
+        self._run0 = 0                 # the gate's run of slow steps when the buffer started
         self._late: list[Decision] = []
         # host-memory readings far below the watermark are reused on the fast path
         # (config.memory_read_every_steps): steps left to reuse, the reading, the line
@@ -100,6 +112,8 @@ class StepGuard:
         self._reuse_left = 0
         self._reused_frac: float | None = None
         self._reuse_below = config.memory_watermark_frac - _REUSE_MARGIN_FRAC
+        self._reuse_growth = _REUSE_MARGIN_FRAC / config.memory_read_every_steps
+        self._reuse_max = _REUSE_MAX_FACTOR * config.memory_read_every_steps - 1
         if fault_injector is None:
             self.mark = self.timer.mark      # type: ignore[method-assign]  # one call less
 
@@ -141,7 +155,8 @@ class StepGuard:
                 self._failed_once("probe")
             if self._reuse_steps and frac is not None and frac < self._reuse_below \
                     and self._quiet_s > 0:
-                self._reuse_left = self._reuse_steps
+                self._reuse_left = min(self._reuse_max, self._reuse_steps + int(
+                    (self._reuse_below - frac) / self._reuse_growth))
                 self._reused_frac = frac
         if self._fast:
             try:
@@ -152,10 +167,13 @@ class StepGuard:
                 buffer = self._buffer
                 buffer.append((record, frac))
                 self._step = step + 1
-                if (total_s <= self._quiet_s and (frac is None or frac < self._quiet_frac)
-                        and len(buffer) < self._horizon and not self._late):
-                    return []                    # the common case: two comparisons
-                return self._flush()
+                if total_s <= self._quiet_s:
+                    self._over = 0
+                    if ((frac is None or frac < self._quiet_frac)
+                            and len(buffer) < self._horizon and not self._late):
+                        return []                # the common case: a few comparisons
+                    return self._flush()
+                return self._over_bound(len(buffer), frac)
             decisions = self._flush()            # the gate sees the buffered steps first
             frac_decisions = self._observe(None, step, frac)
             for decision in frac_decisions:
@@ -172,6 +190,18 @@ class StepGuard:
             self._apply(decision)
         self._step = step + 1
         return decisions
+
+    def _over_bound(self, num_buffered: int, frac: float | None) -> list[Decision]:
+        """A step over the quiet time bound was buffered: it waits unless it could complete a
+        run of slow steps (the buffered steps over the bound just before it, and the gate's
+        own run when every buffered step is over the bound), or another bound asks a flush."""
+        self._over += 1
+        run = self._over + (self._run0 if self._over == num_buffered else 0)
+        if (self._quiet_s >= 0 and run < self._num_slow
+                and (frac is None or frac < self._quiet_frac)
+                and num_buffered < self._horizon and not self._late):
+            return []
+        return self._flush()
 
     def _observe(self, stats: StepStats | None, step: int,
                  frac: float | None) -> list[Decision]:
@@ -207,7 +237,7 @@ class StepGuard:
         return decisions
 
     def _refresh_bounds(self) -> None:
-        """The gate's quiet bounds for the next ``lockstep_every_steps`` steps (none: every
+        """The gate's quiet bounds for the next ``gate_batch_steps`` steps (none: every
         step goes to the gate, as for a gate without :meth:`StepGate.quiet_limits`)."""
         limits = None
         quiet_limits = getattr(self._gate, "quiet_limits", None)
@@ -217,6 +247,11 @@ class StepGuard:
             except Exception:  # noqa: BLE001
                 self._failed_once("gate")
         self._quiet_s, self._quiet_frac = limits if limits else (-1.0, float("-inf"))
+        self._over = 0
+        try:
+            self._run0 = int(getattr(self._gate, "slow_run_length", self._num_slow))
+        except Exception:  # noqa: BLE001 - a gate without it: every step over the bound flushes
+            self._run0 = self._num_slow
 
     def _sync(self) -> None:
         """Feed the buffered steps now (before the gate or the stats are read); their
