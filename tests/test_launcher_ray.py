@@ -55,14 +55,7 @@ def _config() -> dict:
             "faults": {"delay": [{"seconds": 0.04, "phase": "forward", "ranks": [1]}]}}
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    from ray import cloudpickle
-    cloudpickle.register_pickle_by_value(toy)
-    ray.init(address="local", namespace=NS, num_cpus=4, include_dashboard=False,
-             logging_level="warning", log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+RAY_NAMESPACE = NS     # the ray_instance fixture (conftest.py) joins it
 
 
 def _status_cli(address: str) -> subprocess.CompletedProcess:

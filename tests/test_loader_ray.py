@@ -11,11 +11,7 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=3, include_dashboard=False)
-    yield
-    ray.shutdown()
+RAY_NUM_CPUS = 3       # for the ray_instance fixture (conftest.py)
 
 
 def test_two_train_workers_shard_the_dataset_exactly_once(ray_instance, tmp_path):

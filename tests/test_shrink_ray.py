@@ -42,16 +42,6 @@ BASE = dict(model_factory=toy.make_model, dataset_factory=functools.partial(toy.
             grad_accum=2, epochs=2, checkpoint_every_steps=3, num_workers=0, seed=11)
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    from ray import cloudpickle
-    cloudpickle.register_pickle_by_value(toy)      # workers need not import examples/
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
-             logging_level="warning", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _fit(tmp: Path, name: str, config: dict):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

@@ -117,16 +117,6 @@ def test_cluster_release_cache_is_spaced(caplog):
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    from ray import cloudpickle
-    cloudpickle.register_pickle_by_value(toy)      # workers need not import examples/
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
-             logging_level="warning", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _fit(tmp_path: Path, name: str, config: dict, *, max_failures: int = 0):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

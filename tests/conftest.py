@@ -1,0 +1,35 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ray_instance(request):
+    """A local Ray instance for one test module, shut down after it; yields its GCS address.
+
+    Train workers unpickle ``examples.toy`` by value, so they need not import ``examples/``.
+    A module may set ``RAY_NAMESPACE`` (named actors it looks up) and ``RAY_NUM_CPUS``
+    (default 4: two train workers, their controller and the guard's actors).
+    """
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from examples import toy
+
+    cloudpickle.register_pickle_by_value(toy)
+    ray.init(address="local", namespace=getattr(request.module, "RAY_NAMESPACE", None),
+             num_cpus=getattr(request.module, "RAY_NUM_CPUS", 4), include_dashboard=False,
+             logging_level="warning", log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
