@@ -1,24 +1,29 @@
 """Throughput of a ~10 ms training step with and without the guard, interleaved in one run.
 
-    python benchmarks/gate_overhead.py [--pairs 60] [--steps 20] [--step-ms 10]
+    python benchmarks/gate_overhead.py [--blocks 200] [--block-steps 20] [--step-ms 10]
 
-Three loops over the same work (a matmul "forward", a matmul "backward", an in-place
+Four loops over the same work (a matmul "forward", a matmul "backward", an in-place
 "optimizer" update on one thread, sized for about --step-ms per step on an idle core):
 
 * ``plain``: a torch DataLoader (num_workers 0, shuffled) and the work, nothing else;
-* ``guard``: the same plus a StepGuard per step (begin_step, four phase marks, end_step:
-  timer + ProcessMemoryProbe read + gate);
+* ``plain again``: a second, identical plain loop (its own DataLoader): the A/A control, whose
+  ratio to ``plain`` shows the method's own bias and resolution;
+* ``guard``: the plain loop plus a StepGuard per step (begin_step, four phase marks, end_step:
+  timer + ProcessMemoryProbe + gate, the fast path included);
 * ``guard+loader``: the StepGuard and the GuardedDataLoader (num_workers 0 as well, so the
-  comparison is the guard's own bookkeeping, not a different worker count), when
-  ``raytrain_guard/runtime/loader.py`` exists.
+  comparison is the guard's own bookkeeping, not a different worker count).
 
-Each round runs one block of --steps steps of every loop, in a rotating order (ABC, BCA, CAB,
-...); the per-round ratio is plain time / guarded time (throughput ratio). The figure is the
-median of the per-round ratios with a distribution-free 95 % confidence interval (order
-statistics of the binomial), for wall-clock time and for this process's CPU time (the
-second is not disturbed by other processes taking the cores: on a shared box it is the one
-that resolves a fraction of a percent). Also printed: the guard's own cost per step, timed
-alone.
+Interleaving is per step: each round runs one step of every loop, in a fresh random order (so
+no loop always follows another: what ran just before a step changes its cost by up to a
+percent here, the caches being cold after 10 ms of matmul), each step timed alone. A block is
+--block-steps rounds (default 20 = gate_batch_steps, so each block holds one gate batch and
+about one memory read of each guard). The figure per loop is the median over blocks of
+plain block time / loop block time (a throughput ratio), with a distribution-free 95 %
+confidence interval (order statistics of the binomial), and the ratio of the total times.
+Noise on a shared VM comes in bursts of tens of milliseconds: steps a few milliseconds apart
+share it, blocks of whole loops a second apart do not, so this resolves a fraction of a percent
+where per-loop blocks (this script's first version) gave +-2 % intervals. Also printed: the
+guard's own cost per step, timed alone (warm caches: a lower bound of its in-loop cost).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import random
 import statistics
 import sys
 import time
@@ -37,16 +43,13 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.runtime.loader import GuardedDataLoader
 from raytrain_guard.runtime.probes import ProcessMemoryProbe
 from raytrain_guard.runtime.step_guard import StepGuard
 
-try:
-    from raytrain_guard.runtime.loader import GuardedDataLoader
-except ImportError:   # the loader lands in another change
-    GuardedDataLoader = None
-
 BATCH = 32
 FEATURES = 64
+GOAL = 0.995
 
 
 def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
@@ -98,33 +101,6 @@ class Work:
         self.w.add_(self.g, alpha=-1e-12)
 
 
-def plain_block(work: Work, batches, steps: int) -> tuple[float, float]:
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        batch = next(batches)
-        y = work.forward(batch)
-        work.backward(y)
-        work.optimizer()
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
-def guarded_block(work: Work, batches, guard: StepGuard, steps: int,
-                  first_step: int) -> tuple[float, float]:
-    t0, c0 = time.perf_counter(), time.process_time()
-    for step in range(first_step, first_step + steps):
-        guard.begin_step(step)
-        batch = next(batches)
-        guard.mark("data")
-        y = work.forward(batch)
-        guard.mark("forward")
-        work.backward(y)
-        guard.mark("backward")
-        work.optimizer()
-        guard.mark("optimizer")
-        guard.end_step(step)
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 def forever(loader):
     while True:
         yield from loader
@@ -143,11 +119,40 @@ def guard_cost_us(guard: StepGuard, steps: int = 20000) -> float:
     return (time.perf_counter() - t0) / steps * 1e6
 
 
+def plain_step(work: Work, batches) -> float:
+    t0 = time.perf_counter()
+    batch = next(batches)
+    y = work.forward(batch)
+    work.backward(y)
+    work.optimizer()
+    return time.perf_counter() - t0
+
+
+def guarded_step(work: Work, batches, guard: StepGuard, step: int) -> float:
+    t0 = time.perf_counter()
+    guard.begin_step(step)
+    batch = next(batches)
+    guard.mark("data")
+    y = work.forward(batch)
+    guard.mark("forward")
+    work.backward(y)
+    guard.mark("backward")
+    work.optimizer()
+    guard.mark("optimizer")
+    guard.end_step(step)
+    return time.perf_counter() - t0
+
+
+def verdict(lo: float, med: float) -> str:
+    return "met" if lo >= GOAL else "met by the median" if med >= GOAL else "NOT met"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=60, help="rounds (one block of each loop)")
-    parser.add_argument("--steps", type=int, default=20, help="steps per block")
+    parser.add_argument("--blocks", type=int, default=200, help="blocks of rounds")
+    parser.add_argument("--block-steps", type=int, default=20, help="rounds per block")
     parser.add_argument("--step-ms", type=float, default=10.0, help="target step time")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the round orders")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -155,43 +160,53 @@ def main() -> None:
     n = calibrate(args.step_ms)
     work = Work(n)
     dataset = TensorDataset(torch.randn(100_000, FEATURES))
-    plain_batches = forever(DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0))
-    # Decisions are counted, not logged: on a shared box a noisy block can raise slow steps.
+
+    def torch_batches():
+        return forever(DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0))
+
+    # Decisions are counted, not logged: on a shared box a noisy burst can raise slow steps.
     logging.getLogger("raytrain_guard").setLevel(logging.ERROR)
     decisions: list = []
-    guard = StepGuard(config, probe=ProcessMemoryProbe(config), on_decision=decisions.append)
-    loops = {"plain": lambda s: plain_block(work, plain_batches, args.steps)}
-    loops["guard"] = lambda s: guarded_block(work, plain_batches, guard, args.steps, s)
-    if GuardedDataLoader is not None:
-        loader = GuardedDataLoader(dataset, BATCH, config=config, world_rank=0, world_size=1,
-                                   gpus_per_node=1, num_workers=0)
-        guarded_batches = forever(loader)
-        guard2 = StepGuard(config, probe=ProcessMemoryProbe(config),
-                           on_decision=decisions.append)
-        loops["guard+loader"] = lambda s: guarded_block(work, guarded_batches, guard2,
-                                                        args.steps, s)
+    guards = [StepGuard(config, probe=ProcessMemoryProbe(config), on_decision=decisions.append)
+              for _ in range(2)]
+    loader = GuardedDataLoader(dataset, BATCH, config=config, world_rank=0, world_size=1,
+                               gpus_per_node=1, num_workers=0)
+    batches = [torch_batches(), torch_batches(), torch_batches(), forever(loader)]
+    loops = {
+        "plain": lambda s: plain_step(work, batches[0]),
+        "plain again": lambda s: plain_step(work, batches[1]),
+        "guard": lambda s: guarded_step(work, batches[2], guards[0], s),
+        "guard+loader": lambda s: guarded_step(work, batches[3], guards[1], s),
+    }
     names = list(loops)
-    for name in names:                      # warm up every loop once, untimed
-        loops[name](0)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    step = args.steps
-    for r in range(args.pairs):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            times[name].append(loops[name](step))
-        step += args.steps
-    plain_ms = statistics.median(t for t, _ in times["plain"]) / args.steps * 1000
-    print(f"machine: {torch.get_num_threads()} torch thread, matmul n={n}, "
-          f"plain step median {plain_ms:.2f} ms, {args.pairs} rounds x {args.steps} steps")
+    rng = random.Random(args.seed)
+    for step in range(3 * args.block_steps):         # warm up every loop, untimed
+        for name in names:
+            loops[name](step)
+    blocks: dict[str, list[float]] = {name: [] for name in names}
+    step = 3 * args.block_steps
+    for _ in range(args.blocks):
+        sums = dict.fromkeys(names, 0.0)
+        for _ in range(args.block_steps):
+            order = names[:]
+            rng.shuffle(order)
+            for name in order:
+                sums[name] += loops[name](step)
+            step += 1
+        for name in names:
+            blocks[name].append(sums[name])
+    plain_ms = statistics.median(blocks["plain"]) / args.block_steps * 1000
+    print(f"machine: {torch.get_num_threads()} torch thread, matmul n={n}, plain step median "
+          f"{plain_ms:.2f} ms; {args.blocks} blocks x {args.block_steps} rounds, one step of "
+          f"each loop per round in random order")
     for name in names[1:]:
-        for kind, i in (("wall-clock", 0), ("CPU-time", 1)):
-            ratios = [a[i] / b[i] for a, b in zip(times["plain"], times[name])]
-            med, lo, hi = median_ci(ratios)
-            print(f"{name:>13}: {kind:>10} throughput ratio vs plain {med:.4f} "
-                  f"(95% CI {lo:.4f}-{hi:.4f}), goal >= 0.995: "
-                  f"{'met' if lo >= 0.995 else 'met by the median' if med >= 0.995 else 'NOT met'}")
-    if GuardedDataLoader is None:
-        print("guard+loader: not measured (raytrain_guard/runtime/loader.py does not exist)")
+        med, lo, hi = median_ci([a / b for a, b in zip(blocks["plain"], blocks[name])])
+        total = sum(blocks["plain"]) / sum(blocks[name])
+        extra_us = (sum(blocks[name]) - sum(blocks["plain"])) / (step - 3 * args.block_steps) * 1e6
+        goal = "(control: expect 1)" if name == "plain again" else \
+            f"goal >= {GOAL}: {verdict(lo, med)}"
+        print(f"{name:>13}: throughput ratio vs plain {med:.4f} (95% CI {lo:.4f}-{hi:.4f}), "
+              f"total-time ratio {total:.4f} ({extra_us:+.1f} us/step); {goal}")
     print(f"decisions during the timed loops: {len(decisions)} "
           f"({', '.join(sorted({d.action.value for d in decisions})) or 'none'})")
     cost = guard_cost_us(StepGuard(config, probe=ProcessMemoryProbe(config)))
