@@ -30,9 +30,13 @@ see :mod:`raytrain_guard.runtime.control_plane`).
 
 Seam for the cluster layer: ``decision_source`` (an object with ``poll(step, stats) ->
 list[Decision]``) is called on every rank at every step boundary; each decision it returns is
-applied at exactly that step (a decision carrying a later ``step`` waits for it). A source with
-``bind_setup(fn)`` is handed ``fn() -> {"micro_batch", "grad_accum", "prefetch_factor"}``, the
-batch layout this rank runs with now, which the coordinator's shrink rule needs.
+applied at exactly that step (a decision carrying a later ``step`` waits for it). ``stats``
+are the StepStats of the steps since the last read, oldest first: read every
+``guard.report_every_steps`` steps and at the boundaries that may stop or checkpoint
+(:meth:`GuardedTrainLoop._stats_due`), ``[]`` in between, so that the step guard's fast path
+still feeds its gate in batches (a read flushes it). A source with ``bind_setup(fn)`` is
+handed ``fn() -> {"micro_batch", "grad_accum", "prefetch_factor"}``, the batch layout this rank
+runs with now, which the coordinator's shrink rule needs.
 
 Shrinking the micro-batch (``SHRINK_MICRO_BATCH``, params ``micro_batch`` and ``grad_accum``):
 at the step boundary the decision applies to (the same on every rank), each rank rebuilds its
@@ -252,6 +256,9 @@ class GuardedTrainLoop:
         self.batch_changes: list[dict[str, Any]] = []     # applied and refused shrinks
         self._requested_prefetch: int | None = None        # last SET_PREFETCH cap, kept on rebuild
         self._last_cluster_release_s: float | None = None   # clock of the last cluster release
+        # the cadences at which a boundary reads the guard's StepStats (_stats_due)
+        self._stats_every = (config.guard.report_every_steps, config.guard.lockstep_every_steps,
+                             config.every_stop_check, config.every_checkpoint)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -422,6 +429,9 @@ class GuardedTrainLoop:
         return self.results
 
     def _train(self) -> None:
+        """The steps. The guard's StepStats are read (:meth:`_stats_due`) only at some
+        boundaries and go, in order, to the gauges and the decision source; whatever a stop at
+        another boundary leaves goes to the gauges after the loop."""
         cfg = self.config
         micro_batches = self._micro_batches()
         while self.step < self.total_steps:
@@ -450,11 +460,29 @@ class GuardedTrainLoop:
             self._last_loss = step_loss
             self.step = step + 1
             decisions = self.guard.end_step(step)
-            new_stats = self.guard.drain_stats()
+            new_stats = (self.guard.drain_stats() if self._stats_due(self.step, decisions)
+                         else [])
             for stats in new_stats:
                 self.metrics.record(stats)
             if self._boundary(self.step, decisions, new_stats):
                 break
+        for stats in self.guard.drain_stats():   # a stop the source decided at another step
+            self.metrics.record(stats)
+
+    def _stats_due(self, step: int, local: list[Decision]) -> bool:
+        """Whether the boundary after ``step`` steps reads the guard's StepStats: every
+        ``report_every_steps`` steps (the guard keeps max(step_window, report_every_steps) of
+        them, so none is lost), where the gate decided something, and where the run may stop or
+        checkpoint: the last step, an agreement step (lockstep and stop flag), a checkpoint step,
+        a pending cluster decision due now. A read flushes the guard's buffer of quiet steps
+        to its gate, so the gate is fed at least every ``report_every_steps`` steps, in
+        batches of up to that many (``gate_batch_steps`` when smaller)."""
+        if local or step >= self.total_steps:
+            return True
+        for every in self._stats_every:
+            if step % every == 0:
+                return True
+        return any(d.step is not None and d.step <= step for d in self.pending)
 
     def _fill_memory(self, step: int) -> None:
         """Rehearsal (``faults["memory"]``): hold ballast so this rank's memory reading reaches
