@@ -1,6 +1,7 @@
 """Throughput of a ~10 ms training step with and without the guard, interleaved in one run.
 
     python benchmarks/gate_overhead.py [--blocks 200] [--block-steps 20] [--step-ms 10]
+                                       [--device cpu|cuda]
 
 Four loops over the same work (a matmul "forward", a matmul "backward", an in-place
 "optimizer" update on one thread, sized for about --step-ms per step on an idle core):
@@ -24,6 +25,13 @@ Noise on a shared VM comes in bursts of tens of milliseconds: steps a few millis
 share it, blocks of whole loops a second apart do not, so this resolves a fraction of a percent
 where per-loop blocks (this script's first version) gave +-2 % intervals. Also printed: the
 guard's own cost per step, timed alone (warm caches: a lower bound of its in-loop cost).
+
+``--device cuda``: the same loops with the work on the GPU (fp32 matmuls sized the same way
+for about --step-ms on the GPU). The plain loops' torch DataLoaders pin their batches and copy
+them with ``.to(device, non_blocking=True)``; the guards time with ``StepTimer(device="cuda")``
+(CUDA events, read a step later) and read ``CudaMemoryProbe``; the GuardedDataLoader delivers
+on the device (pinned memory, the next batch copied on a side stream). Every timed step of
+every loop ends with ``torch.cuda.synchronize()``, so its host time is the step's latency.
 """
 
 from __future__ import annotations
@@ -44,8 +52,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.runtime.loader import GuardedDataLoader
-from raytrain_guard.runtime.probes import ProcessMemoryProbe
+from raytrain_guard.runtime.probes import CudaMemoryProbe, ProcessMemoryProbe
 from raytrain_guard.runtime.step_guard import StepGuard
+from raytrain_guard.runtime.timing import StepTimer
 
 BATCH = 32
 FEATURES = 64
@@ -69,27 +78,36 @@ def median_ci(values: list[float], confidence: float = 0.95) -> tuple[float, flo
     return statistics.median(xs), xs[k - 1], xs[n - k]
 
 
-def calibrate(step_ms: float) -> int:
+def calibrate(step_ms: float, device: str = "cpu") -> int:
     """Matrix size n for which two n x n matmuls and an add take about step_ms (the fastest
-    of five tries, so a busy machine does not shrink the step)."""
-    n = 128
+    of five tries, so a busy machine does not shrink the step; on CUDA each try ends with a
+    synchronize)."""
+    n, max_n = 128, 4096 if device == "cpu" else 32768
     while True:
-        a = torch.randn(n, n)
+        a = torch.randn(n, n, device=device)
         tries = []
         for _ in range(5):
             t0 = time.perf_counter()
             (a @ a).add_(a @ a)
+            if device == "cuda":
+                torch.cuda.synchronize()
             tries.append(time.perf_counter() - t0)
         per_step_ms = min(tries) * 1000
-        if per_step_ms >= step_ms or n > 4096:
+        if per_step_ms >= step_ms or n > max_n:
             return max(64, int(n * (step_ms / per_step_ms) ** (1 / 3)))
         n = int(n * 1.25)
 
 
+def no_sync() -> None:
+    """The CPU loops' end of step: nothing to wait for."""
+
+
 class Work:
-    def __init__(self, n: int) -> None:
-        self.w = torch.randn(n, n)
-        self.g = torch.empty(n, n)
+    def __init__(self, n: int, device: str = "cpu") -> None:
+        self.w = torch.randn(n, n, device=device)
+        self.g = torch.empty(n, n, device=device)
+        # the harness's end of every timed step: on CUDA the host waits for the step's kernels
+        self.sync = torch.cuda.synchronize if device == "cuda" else no_sync
 
     def forward(self, batch) -> torch.Tensor:
         return self.w @ self.w + batch[0].sum()
@@ -104,6 +122,12 @@ class Work:
 def forever(loader):
     while True:
         yield from loader
+
+
+def forever_on(loader, device: str):
+    """A plain loop's batches on ``device``: copied from pinned memory, as users write it."""
+    for batch in forever(loader):
+        yield [t.to(device, non_blocking=True) for t in batch]
 
 
 def guard_cost_us(guard: StepGuard, steps: int = 20000) -> float:
@@ -125,6 +149,7 @@ def plain_step(work: Work, batches) -> float:
     y = work.forward(batch)
     work.backward(y)
     work.optimizer()
+    work.sync()
     return time.perf_counter() - t0
 
 
@@ -140,6 +165,7 @@ def guarded_step(work: Work, batches, guard: StepGuard, step: int) -> float:
     work.optimizer()
     guard.mark("optimizer")
     guard.end_step(step)
+    work.sync()
     return time.perf_counter() - t0
 
 
@@ -153,24 +179,39 @@ def main() -> None:
     parser.add_argument("--block-steps", type=int, default=20, help="rounds per block")
     parser.add_argument("--step-ms", type=float, default=10.0, help="target step time")
     parser.add_argument("--seed", type=int, default=0, help="seed of the round orders")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the work runs (cuda: see the module doc)")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here; nothing measured")
+        sys.exit(2)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = GuardConfig()
-    n = calibrate(args.step_ms)
-    work = Work(n)
+    n = calibrate(args.step_ms, args.device)
+    work = Work(n, args.device)
     dataset = TensorDataset(torch.randn(100_000, FEATURES))
 
     def torch_batches():
+        if cuda:
+            return forever_on(DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0,
+                                         pin_memory=True), args.device)
         return forever(DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0))
+
+    def new_guard(**kwargs) -> StepGuard:
+        if cuda:
+            return StepGuard(config, probe=CudaMemoryProbe(config=config),
+                             timer=StepTimer(device="cuda"), **kwargs)
+        return StepGuard(config, probe=ProcessMemoryProbe(config), **kwargs)
 
     # Decisions are counted, not logged: on a shared box a noisy burst can raise slow steps.
     logging.getLogger("raytrain_guard").setLevel(logging.ERROR)
     decisions: list = []
-    guards = [StepGuard(config, probe=ProcessMemoryProbe(config), on_decision=decisions.append)
-              for _ in range(2)]
+    guards = [new_guard(on_decision=decisions.append) for _ in range(2)]
     loader = GuardedDataLoader(dataset, BATCH, config=config, world_rank=0, world_size=1,
-                               gpus_per_node=1, num_workers=0)
+                               gpus_per_node=1, num_workers=0,
+                               device=args.device if cuda else None)
     batches = [torch_batches(), torch_batches(), torch_batches(), forever(loader)]
     loops = {
         "plain": lambda s: plain_step(work, batches[0]),
@@ -196,7 +237,9 @@ def main() -> None:
         for name in names:
             blocks[name].append(sums[name])
     plain_ms = statistics.median(blocks["plain"]) / args.block_steps * 1000
-    print(f"machine: {torch.get_num_threads()} torch thread, matmul n={n}, plain step median "
+    where = f"{torch.cuda.get_device_name()}, fp32" if cuda else \
+        f"{torch.get_num_threads()} torch thread,"
+    print(f"machine: {where} matmul n={n}, plain step median "
           f"{plain_ms:.2f} ms; {args.blocks} blocks x {args.block_steps} rounds, one step of "
           f"each loop per round in random order")
     for name in names[1:]:
@@ -209,7 +252,7 @@ def main() -> None:
               f"total-time ratio {total:.4f} ({extra_us:+.1f} us/step); {goal}")
     print(f"decisions during the timed loops: {len(decisions)} "
           f"({', '.join(sorted({d.action.value for d in decisions})) or 'none'})")
-    cost = guard_cost_us(StepGuard(config, probe=ProcessMemoryProbe(config)))
+    cost = guard_cost_us(new_guard())
     print(f"guard alone: {cost:.1f} us per step (timer + probe + gate, no work), "
           f"{cost / (plain_ms * 1000):.4%} of a {plain_ms:.1f} ms step")
 

@@ -1,6 +1,7 @@
 """Data-wait fraction and host bytes in flight: planned loader vs the seed's 16 x 4 vs torch default.
 
     python benchmarks/loader_sizing.py [--rounds 3] [--steps 40] [--gpus-per-node 8]
+                                       [--device cpu|cuda]
 
 Workload: each sample is a decoded 3 x 224 x 224 uint8 image (147 KiB) that costs an I/O-like
 latency (``--sample-ms``, sleep) plus writing its pixels; a batch of 32 is 4.6 MiB. The
@@ -13,6 +14,13 @@ Host bytes are what the loader holds in flight: ``num_workers x prefetch_factor 
 background stage keeps ready (``device_prefetch_depth``, 1 by default), against the budget of
 ``host_prefetch_frac x host RAM / gpus_per_node``. This box has 2 cores and no GPU: the budget
 assumes ``--gpus-per-node`` training processes share the host RAM, as on an 8-GPU node.
+
+``--device cuda``: every loader delivers to the GPU (``device="cuda"``: pinned memory, torch's
+pin-memory thread taking batches from the workers, the next ``device_prefetch_depth`` batches
+copied on a side stream; depth 0 copies each batch when it is taken). Each step then also
+reads its batch on the GPU (a sum) and ends with ``torch.cuda.synchronize()``, so the copies
+and the kernel finish inside the step; the data wait is measured the same way (host time in
+``next()``). Pinned batches count twice in the host bytes (the planner's rule).
 """
 
 from __future__ import annotations
@@ -43,16 +51,24 @@ class DecodedImages:
 
 
 def run_steps(it, loader: GuardedDataLoader, steps: int, step_s: float,
-              waits: list[float] | None = None) -> tuple[float, float]:
-    """(data wait, wall) over ``steps`` steps of fixed compute; each step's wait into ``waits``."""
+              waits: list[float] | None = None, cuda: bool = False) -> tuple[float, float]:
+    """(data wait, wall) over ``steps`` steps of fixed compute; each step's wait into ``waits``.
+    ``cuda``: the step reads the batch on the GPU and ends with a synchronize."""
     wait = 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
-        next(it)
+        if cuda:
+            batch = next(it)
+            assert batch.is_cuda, f"batch on {batch.device}, not on the GPU"
+            batch.sum()                  # a kernel on the current stream, after the copy
+        else:
+            next(it)
         wait += loader.last_data_wait_s
         if waits is not None:
             waits.append(loader.last_data_wait_s)
         time.sleep(step_s)
+        if cuda:
+            torch.cuda.synchronize()
     return wait, time.perf_counter() - t0
 
 
@@ -65,13 +81,20 @@ def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=1.0)
     parser.add_argument("--step-ms", type=float, default=60.0)
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the loaders deliver (cuda: see the module doc)")
     args = parser.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here; nothing measured")
+        raise SystemExit(2)
 
     config = GuardConfig()
     host = host_memory()[0]
     dataset = DecodedImages(10**6, args.sample_ms / 1000)
     common = dict(world_rank=0, world_size=1, config=config, gpus_per_node=args.gpus_per_node,
-                  host_memory_bytes=host, watch_worker_memory=False, seed=0)
+                  host_memory_bytes=host, watch_worker_memory=False, seed=0,
+                  device=args.device if cuda else None)
     loaders = {
         "torch default (num_workers=0)": GuardedDataLoader(dataset, args.batch_size,
                                                            num_workers=0, **common),
@@ -85,13 +108,13 @@ def main() -> None:
     }
     iters = {name: iter(loader) for name, loader in loaders.items()}
     for name, loader in loaders.items():                 # warm-up: fill the queues
-        run_steps(iters[name], loader, args.warmup_steps, args.step_ms / 1000)
+        run_steps(iters[name], loader, args.warmup_steps, args.step_ms / 1000, cuda=cuda)
     totals = {name: [0.0, 0.0] for name in loaders}
     medians: dict[str, list[float]] = {name: [] for name in loaders}
     for _ in range(args.rounds):
         for name, loader in loaders.items():
             wait, wall = run_steps(iters[name], loader, args.steps, args.step_ms / 1000,
-                                   medians[name])
+                                   medians[name], cuda)
             totals[name][0] += wait
             totals[name][1] += wall
 
@@ -100,7 +123,9 @@ def main() -> None:
     print(f"host RAM {format_bytes(host)}, {args.gpus_per_node} GPUs/node assumed, budget "
           f"{config.host_prefetch_frac:.0%} x RAM / GPUs = {format_bytes(budget)}; batch "
           f"{args.batch_size} x 147 KiB = {format_bytes(batch)}; sample {args.sample_ms} ms, "
-          f"step {args.step_ms} ms; {args.rounds} interleaved rounds x {args.steps} steps")
+          f"step {args.step_ms} ms; {args.rounds} interleaved rounds x {args.steps} steps"
+          + (f"; delivered to {torch.cuda.get_device_name()} (pinned, side-stream copies)"
+             if cuda else ""))
     print(f"planned: {loaders['guard planned'].plan.reason}")
     print("| loader | workers x prefetch (+ stage) | data wait / step time | median wait per step "
           "| host bytes in flight | within budget |")
@@ -109,7 +134,7 @@ def main() -> None:
         wait, wall = totals[name]
         plan = loader.plan
         in_flight = loader.stats()["host_bytes_in_flight_estimate"]
-        stage = loader.device_prefetch_depth if plan.num_workers else 0
+        stage = loader.device_prefetch_depth if plan.num_workers or cuda else 0
         waits = sorted(medians[name])
         print(f"| {name} | {plan.num_workers} x {plan.prefetch_factor} (+ {stage}) | "
               f"{wait / wall:.1%} | {1000 * waits[len(waits) // 2]:.2f} ms | "

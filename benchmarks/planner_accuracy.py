@@ -14,7 +14,11 @@ True: fsdp-full, False: fsdp-grad-op), all through the train loop's own ``wrap_m
   tracker covers DDP's construction and three steps, so DDP's gradient buckets and their rebuild
   after the first iteration are counted; the optimizer state exists from the second step on.
 * ``--device cuda``: ``torch.cuda.max_memory_allocated`` over the same three steps (nccl for two
-  ranks), with the optimizer's CUDA default (foreach) predicted.
+  ranks), with the optimizer's CUDA default (foreach) predicted, less what was allocated before
+  the model was built. cuBLAS takes its workspace (32 MiB per handle and stream on Hopper) from
+  the caching allocator at its first matmul and keeps it; the planner budgets it in the
+  reserve (``cuda_context_bytes``), so each rank runs one forward and backward first and the
+  baseline it leaves (printed) is not counted. With one GPU only ``--ranks 1`` runs.
 
 Run: ``python benchmarks/planner_accuracy.py [--device cuda] [--ranks 1 2] [--strategies ...]``.
 """
@@ -63,6 +67,7 @@ def measure(name: str, micro_batch: int, device: str, world_size: int,
     torch.manual_seed(0)
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else \
         torch.device("cpu")
+    base = torch.cuda.memory_allocated() if device == "cuda" else 0   # cuBLAS workspaces
     model = build().to(dev)
     batch = sample(batch_size=micro_batch).to(dev)
     if device == "cuda":
@@ -71,7 +76,7 @@ def measure(name: str, micro_batch: int, device: str, world_size: int,
         wrapped, opt = _wrap(model, world_size, dev, strategy)
         _steps(wrapped, opt, batch, loss_fn)
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
+        return torch.cuda.max_memory_allocated() - base
     from torch.distributed._tools.mem_tracker import MemTracker
     tracker = MemTracker()
     skip_frozen_grad_hooks(tracker, model)  # MemTracker raises on frozen parameters otherwise
@@ -102,9 +107,24 @@ def _wrap(model, world_size, dev, strategy):
     return planned.module, wrap_optimizer(planned, adamw)
 
 
+def _warm_cublas() -> int:
+    """One forward and backward on this rank's GPU, so cuBLAS holds its workspaces (one per
+    handle and stream; autograd's backward thread has its own handle) before any job starts;
+    returns the bytes allocated then."""
+    layer = torch.nn.Linear(256, 256, device="cuda")
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    (layer(x) @ x.T).sum().backward()
+    del layer, x
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 def _rank_main(rank: int, world_size: int, device: str, jobs, init_file: str, out_dir: str):
     if device == "cuda":
         torch.cuda.set_device(rank)
+        print(f"rank {rank}: {_warm_cublas()} B allocated before the first model (cuBLAS "
+              f"workspaces), not counted", flush=True)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank,
                             world_size=world_size, init_method=f"file://{init_file}")
     try:
@@ -178,8 +198,10 @@ def main() -> int:
                          est.peak_bytes, m, est.peak_bytes / m - 1, est.peak_phase))
 
     print()
+    measured = "MemTracker on real CPU tensors" if args.device == "cpu" else \
+        "torch.cuda.max_memory_allocated less the baseline before the model (cuBLAS workspaces)"
     print(f"device: {args.device}; predicted = estimate(trace at b0) peak_bytes; "
-          f"measured = {'MemTracker on real CPU tensors' if args.device == 'cpu' else 'torch.cuda.max_memory_allocated'}")
+          f"measured = {measured}")
     head = f"{'model':34} {'strategy':>12} {'ranks':>5} {'b':>4} {'b is':>9} " \
            f"{'predicted MiB':>14} {'measured MiB':>13} {'error':>8}  phase"
     print(head)
