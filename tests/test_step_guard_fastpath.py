@@ -97,9 +97,11 @@ def test_quiet_steps_reach_the_gate_in_batches_and_decisions_keep_their_step():
     # waits (a run of two), 62 could complete the run (three): fed at once, decided at once.
     # The high reading goes at its own step.
     assert 61 not in fed_at and {60, 62, 70} <= set(fed_at)
-    # every step reaches the gate once, and drain_stats gives every step, in order
+    # drain_stats gives every step, in order, without feeding the waiting ones to the gate;
+    # reading the gate feeds them: every step reaches it once
     stats = guard.drain_stats()
-    assert gate.num_observed == len(TOTALS)
+    assert gate.num_observed + len(guard._buffer) == len(TOTALS) and guard._buffer
+    assert guard.gate.num_observed == len(TOTALS)
     assert [s.step for s in stats][-50:] == list(range(30, 80))
     assert [s.total_s for s in stats][-50:] == pytest.approx(TOTALS[30:])
 
@@ -150,9 +152,11 @@ def test_host_memory_far_below_the_watermark_is_read_every_few_steps():
     assert device.num_reads == 25
 
 
-def _decisions_by_step(totals, fracs, config, *, fast: bool) -> dict[int, list[str]]:
+def _decisions_by_step(totals, fracs, config, *, fast: bool,
+                       drain_every: int = 0) -> dict[int, list[str]]:
     """Decisions per step of a StepGuard (fast path: a host timer) or of a gate fed every
-    step (fast=False: the reference)."""
+    step (fast=False: the reference). ``drain_every``: drain the guard's stats every this many
+    steps too, checking that every step comes out once, in order, with its own figures."""
     if not fast:
         probe = ScriptedProbe(fracs)         # the fractions as the guard reads them (bytes)
         fracs = [probe.read().frac for _ in fracs]
@@ -167,7 +171,7 @@ def _decisions_by_step(totals, fracs, config, *, fast: bool) -> dict[int, list[s
     clock = HandClock()
     guard = StepGuard(config, probe=ScriptedProbe(fracs), timer=StepTimer(clock=clock),
                       clock=GateClock(), sleep=lambda s: None)
-    out = {}
+    out, drained = {}, []
     for step, total in enumerate(totals):
         guard.begin_step(step)
         clock.now += total
@@ -175,6 +179,12 @@ def _decisions_by_step(totals, fracs, config, *, fast: bool) -> dict[int, list[s
         got = guard.end_step(step)
         if got:
             out[step] = [d.action.value for d in got]
+        if drain_every and step % drain_every == 0:
+            drained += guard.drain_stats()
+    if drain_every:
+        drained += guard.drain_stats()
+        assert [s.step for s in drained] == list(range(len(totals)))
+        assert [s.total_s for s in drained] == pytest.approx(totals)
     return out
 
 
@@ -202,6 +212,9 @@ def test_noisy_steps_decide_at_the_same_steps_as_a_gate_fed_every_step(seed):
     expected = _decisions_by_step(totals, fracs, config, fast=False)
     assert any("slow_step" in kinds for kinds in expected.values())
     assert _decisions_by_step(totals, fracs, config, fast=True) == expected
+    # reading the stats every few steps (the train loop's report cadence) changes nothing
+    assert _decisions_by_step(totals, fracs, config, fast=True,
+                              drain_every=rng.choice((1, 3, 10))) == expected
 
 
 def test_waiting_steps_are_capped_by_the_window():

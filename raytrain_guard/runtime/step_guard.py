@@ -97,6 +97,7 @@ class StepGuard:
         # end_step returned (none expected: buffered steps decide nothing)
         self._fast = bool(getattr(self.timer, "on_host", False))
         self._buffer: list[tuple[Any, float | None]] = []
+        self._built: list[StepStats | None] = []   # StepStats of the first buffered steps, drained
         self._horizon = min(config.gate_batch_steps, max(1, config.step_window // 2 - 5))
         self._quiet_s = -1.0           # no bound yet: every step goes to the gate
         self._quiet_frac = float("-inf")
@@ -203,14 +204,16 @@ class StepGuard:
             return []
         return self._flush()
 
-    def _observe(self, stats: StepStats | None, step: int,
-                 frac: float | None) -> list[Decision]:
-        """Keep ``stats`` and feed them to the gate (the memory rules alone without stats)."""
+    def _observe(self, stats: StepStats | None, step: int, frac: float | None, *,
+                 keep: bool = True) -> list[Decision]:
+        """Keep ``stats`` (unless drained already) and feed them to the gate (the memory rules
+        alone without stats)."""
         try:
             if stats is not None:
                 if stats.world_rank != self.world_rank:
                     stats = dataclasses.replace(stats, world_rank=self.world_rank)
-                self._stats.append(stats)
+                if keep:
+                    self._stats.append(stats)
                 return self._gate.observe(stats)
             if frac is not None:
                 return self._gate.observe_memory(step, frac, world_rank=self.world_rank)
@@ -223,18 +226,23 @@ class StepGuard:
         (with any a flush outside end_step left), then refresh the quiet bounds."""
         decisions, self._late = self._late, []
         buffer, self._buffer = self._buffer, []
-        for record, frac in buffer:
-            try:
-                stats = self.timer.stats_of(record, frac)
-            except Exception:  # noqa: BLE001
-                self._failed_once("timer")
-                stats = None
-            found = self._observe(stats, record.step, frac)
+        built, self._built = self._built, []
+        for i, (record, frac) in enumerate(buffer):
+            drained = i < len(built)
+            stats = built[i] if drained else self._stats_of(record, frac)
+            found = self._observe(stats, record.step, frac, keep=not drained)
             for decision in found:
                 self._apply(decision)
             decisions += found
         self._refresh_bounds()
         return decisions
+
+    def _stats_of(self, record: Any, frac: float | None) -> StepStats | None:
+        try:
+            return self.timer.stats_of(record, frac)
+        except Exception:  # noqa: BLE001
+            self._failed_once("timer")
+            return None
 
     def _refresh_bounds(self) -> None:
         """The gate's quiet bounds for the next ``gate_batch_steps`` steps (none: every
@@ -272,12 +280,20 @@ class StepGuard:
         self._refresh_bounds()
 
     def drain_stats(self) -> list[StepStats]:
-        """The StepStats kept since the last drain (at most max(step_window,
-        report_every_steps)), oldest first, for a batch to the coordinator."""
-        if self._buffer:
-            self._sync()
+        """The StepStats of the steps finished since the last drain (at most max(step_window,
+        report_every_steps) fed to the gate, and those still waiting for it), oldest first,
+        for a batch to the coordinator. Waiting steps stay waiting: their StepStats are built
+        now and reach the gate with the next batch, so a drain every few steps does not
+        shorten the fast path's batches."""
         out = list(self._stats)
         self._stats.clear()
+        if len(self._buffer) > len(self._built):
+            fresh = [self._stats_of(record, frac)
+                     for record, frac in self._buffer[len(self._built):]]
+            self._built += fresh
+            out += [s if s.world_rank == self.world_rank
+                    else dataclasses.replace(s, world_rank=self.world_rank)
+                    for s in fresh if s is not None]
         return out
 
     @property
