@@ -136,8 +136,13 @@ class StepTimer:
 
     def begin_step(self, step: int) -> None:
         """Start timing ``step`` now (optional: a step otherwise starts where the last ended)."""
+        record = self._record
         if self._events is not None:
-            self._events.discard(self._record)
+            self._events.discard(record)
+        elif len(record.marks) == 1 and record.last_ready is None and not record.done:
+            record.marks[0] = (_UNTIMED, self._stamp())    # untouched since it was opened:
+            record.step = step                             # restart it, one allocation less
+            return
         self._record = _StepRecord(self._stamp())
         self._record.step = step
 
@@ -239,10 +244,9 @@ class StepTimer:
                 comm_wait_s = max(0.0, max(record.done) - record.last_ready)
             else:
                 comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
-        return StepStats(step=record.step, total_s=total_s, data_wait_s=sums[0],
-                         forward_s=sums[1], backward_s=max(0.0, sums[2] - comm_wait_s),
-                         comm_wait_s=comm_wait_s, optimizer_s=sums[3], memory_frac=memory_frac,
-                         world_rank=self.world_rank)
+        return StepStats(record.step, total_s, sums[0], sums[1],      # positional: per step
+                         max(0.0, sums[2] - comm_wait_s), comm_wait_s, sums[3], memory_frac,
+                         self.world_rank)
 
 
 def _unknown_phase(phase: Any) -> InputError:
