@@ -81,15 +81,22 @@ class StepGate:
         self._stopped = False                    # CHECKPOINT_AND_STOP already decided
         self._pacing = False
         self._next_id = 1
+        self._rearm_below = config.memory_watermark_frac - config.memory_hysteresis_frac
 
     # -- public ------------------------------------------------------------------------------
     def observe(self, stats: StepStats) -> list[Decision]:
         """Feed one step; returns the decisions it triggers (often none)."""
-        decisions: list[Decision] = []
-        if stats.memory_frac is not None:
-            decisions += self.observe_memory(stats.step, stats.memory_frac,
-                                             world_rank=stats.world_rank)
-        decisions += self._observe_timing(stats)
+        frac = stats.memory_frac
+        if frac is None:
+            decisions: list[Decision] = []
+        elif frac < self._rearm_below and self._armed and not self._pacing:
+            self._memory.append(float(frac))    # observe_memory's common case, one call less
+            decisions = []
+        else:
+            decisions = self.observe_memory(stats.step, frac, world_rank=stats.world_rank)
+        timing = self._observe_timing(stats)
+        if timing:
+            decisions += timing
         return decisions
 
     def observe_memory(self, step: int, memory_frac: float, *,
@@ -98,7 +105,7 @@ class StepGate:
         cfg = self.config
         frac = float(memory_frac)
         self._memory.append(frac)
-        rearm_below = cfg.memory_watermark_frac - cfg.memory_hysteresis_frac
+        rearm_below = self._rearm_below
         if frac < rearm_below and self._armed and not self._pacing:
             return []                                # the common case: nothing to decide
         where = f"rank {world_rank} step {step}"
@@ -255,27 +262,22 @@ class StepGate:
         elif self._run:
             self._run.clear()
             self._run_reported = False
-        self._push_window(stats)
+        window, totals = self._window, self._sorted_totals    # into the window, kept sorted
+        if len(window) == window.maxlen:
+            del totals[bisect.bisect_left(totals, window[0].total_s)]
+        window.append(stats)
+        bisect.insort(totals, stats.total_s)
         return decisions
-
-    def _push_window(self, stats: StepStats) -> None:
-        if len(self._window) == self._window.maxlen:
-            oldest = self._window[0].total_s
-            del self._sorted_totals[bisect.bisect_left(self._sorted_totals, oldest)]
-        self._window.append(stats)
-        bisect.insort(self._sorted_totals, stats.total_s)
-
-    def _median_total_s(self) -> float:
-        totals, n = self._sorted_totals, len(self._sorted_totals)
-        mid = n // 2
-        return totals[mid] if n % 2 else (totals[mid - 1] + totals[mid]) / 2
 
     def _threshold_s(self) -> float | None:
         """The slow-step threshold for the next step: the lower of the rules that apply."""
         absolute = self.config.slow_step_abs_s
-        if len(self._window) < _MIN_MEDIAN_POINTS:
+        totals, n = self._sorted_totals, len(self._sorted_totals)
+        if n < _MIN_MEDIAN_POINTS:
             return absolute
-        relative = self.config.slow_step_factor * self._median_total_s()
+        mid = n // 2
+        median = totals[mid] if n % 2 else (totals[mid - 1] + totals[mid]) / 2
+        relative = self.config.slow_step_factor * median
         return relative if absolute is None else min(absolute, relative)
 
     def _rule_text(self, threshold_s: float) -> str:

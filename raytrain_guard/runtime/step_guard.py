@@ -117,6 +117,7 @@ class StepGuard:
         self._reuse_max = _REUSE_MAX_FACTOR * config.memory_read_every_steps - 1
         if fault_injector is None:
             self.mark = self.timer.mark      # type: ignore[method-assign]  # one call less
+        self._bind_begin()
 
     # -- the step ----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -204,16 +205,14 @@ class StepGuard:
             return []
         return self._flush()
 
-    def _observe(self, stats: StepStats | None, step: int, frac: float | None, *,
-                 keep: bool = True) -> list[Decision]:
-        """Keep ``stats`` (unless drained already) and feed them to the gate (the memory rules
-        alone without stats)."""
+    def _observe(self, stats: StepStats | None, step: int,
+                 frac: float | None) -> list[Decision]:
+        """Keep ``stats`` and feed them to the gate (the memory rules alone without stats)."""
         try:
             if stats is not None:
                 if stats.world_rank != self.world_rank:
                     stats = dataclasses.replace(stats, world_rank=self.world_rank)
-                if keep:
-                    self._stats.append(stats)
+                self._stats.append(stats)
                 return self._gate.observe(stats)
             if frac is not None:
                 return self._gate.observe_memory(step, frac, world_rank=self.world_rank)
@@ -227,22 +226,44 @@ class StepGuard:
         decisions, self._late = self._late, []
         buffer, self._buffer = self._buffer, []
         built, self._built = self._built, []
+        kept, observe, rank = self._stats, self._gate.observe, self.world_rank
         for i, (record, frac) in enumerate(buffer):
-            drained = i < len(built)
-            stats = built[i] if drained else self._stats_of(record, frac)
-            found = self._observe(stats, record.step, frac, keep=not drained)
-            for decision in found:
-                self._apply(decision)
-            decisions += found
+            if i < len(built):
+                stats = built[i]                 # drained already: not kept again
+            else:                                # _stats_of, inlined: once per step
+                try:
+                    stats = self.timer.stats_of(record, frac)
+                    if stats.world_rank != rank:
+                        stats = dataclasses.replace(stats, world_rank=rank)
+                    kept.append(stats)
+                except Exception:  # noqa: BLE001
+                    self._failed_once("timer")
+                    stats = None
+            if stats is None:            # no timings: the memory rules alone (what _observe does)
+                found = self._observe(None, record.step, frac)
+            else:
+                try:
+                    found = observe(stats)
+                except Exception:  # noqa: BLE001
+                    self._failed_once("gate")
+                    found = []
+            if found:
+                for decision in found:
+                    self._apply(decision)
+                decisions += found
         self._refresh_bounds()
         return decisions
 
     def _stats_of(self, record: Any, frac: float | None) -> StepStats | None:
+        """A buffered step's StepStats, with this guard's rank (None: the timer failed)."""
         try:
-            return self.timer.stats_of(record, frac)
+            stats = self.timer.stats_of(record, frac)
         except Exception:  # noqa: BLE001
             self._failed_once("timer")
             return None
+        if stats.world_rank != self.world_rank:
+            stats = dataclasses.replace(stats, world_rank=self.world_rank)
+        return stats
 
     def _refresh_bounds(self) -> None:
         """The gate's quiet bounds for the next ``gate_batch_steps`` steps (none: every
@@ -291,9 +312,7 @@ class StepGuard:
             fresh = [self._stats_of(record, frac)
                      for record, frac in self._buffer[len(self._built):]]
             self._built += fresh
-            out += [s if s.world_rank == self.world_rank
-                    else dataclasses.replace(s, world_rank=self.world_rank)
-                    for s in fresh if s is not None]
+            out += [s for s in fresh if s is not None]
         return out
 
     @property
@@ -309,6 +328,15 @@ class StepGuard:
             raise InputError("params['delay_s']", "must be a number >= 0", value=delay_s,
                              fix="pass the pacing sleep in seconds, 0 to stop pacing")
         self._pace_delay_s = delay
+        self._bind_begin()
+
+    def _bind_begin(self) -> None:
+        """Without pacing, :meth:`begin_step` is the timer's own (one call less per step; the
+        step number is known again at end_step)."""
+        if self._pace_delay_s > 0:
+            self.__dict__.pop("begin_step", None)
+        else:
+            self.begin_step = self.timer.begin_step   # type: ignore[method-assign]
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able) to checkpoint the guard: the gate's state and the pacing
