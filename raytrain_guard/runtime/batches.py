@@ -23,14 +23,16 @@ def _is_array(value: Any) -> bool:
 
 def batch_nbytes(batch: Any) -> int:
     """Bytes held by the tensors and arrays of ``batch`` (views counted at their own size)."""
+    # once per batch on the training thread: tensors first, containers without a generator
     if isinstance(batch, torch.Tensor):
-        return batch.element_size() * batch.numel()
+        return batch.nbytes
+    if isinstance(batch, (list, tuple, dict)):
+        total = 0
+        for value in (batch.values() if isinstance(batch, dict) else batch):
+            total += value.nbytes if isinstance(value, torch.Tensor) else batch_nbytes(value)
+        return total
     if _is_array(batch):
         return batch.nbytes
-    if isinstance(batch, dict):
-        return sum(batch_nbytes(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return sum(batch_nbytes(v) for v in batch)
     return 0
 
 

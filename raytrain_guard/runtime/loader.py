@@ -400,9 +400,11 @@ class GuardedDataLoader:
                 nbytes = batch_nbytes(batch)
                 self.last_data_wait_s = wait
                 self.last_batch_bytes = nbytes
-                self._max_batch_bytes = max(self._max_batch_bytes, nbytes)
+                if nbytes > self._max_batch_bytes:
+                    self._max_batch_bytes = nbytes
                 self._wait_total_s += wait
-                self._wait_max_s = max(self._wait_max_s, wait)
+                if wait > self._wait_max_s:
+                    self._wait_max_s = wait
                 self._wall_total_s += now - last
                 last = now
                 self._num_batches += 1
