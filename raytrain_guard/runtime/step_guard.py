@@ -331,9 +331,9 @@ class StepGuard:
         self._bind_begin()
 
     def _bind_begin(self) -> None:
-        """Without pacing, :meth:`begin_step` is the timer's own (one call less per step; the
-        step number is known again at end_step)."""
-        if self._pace_delay_s > 0:
+        """Without pacing or fault injection, :meth:`begin_step` is the timer's own (one call
+        less per step; the step number is known again at end_step)."""
+        if self._pace_delay_s > 0 or self.fault_injector is not None:
             self.__dict__.pop("begin_step", None)
         else:
             self.begin_step = self.timer.begin_step   # type: ignore[method-assign]
