@@ -226,19 +226,14 @@ class StepGuard:
         decisions, self._late = self._late, []
         buffer, self._buffer = self._buffer, []
         built, self._built = self._built, []
-        kept, observe, rank = self._stats, self._gate.observe, self.world_rank
+        kept, observe = self._stats, self._gate.observe
         for i, (record, frac) in enumerate(buffer):
             if i < len(built):
                 stats = built[i]                 # drained already: not kept again
-            else:                                # _stats_of, inlined: once per step
-                try:
-                    stats = self.timer.stats_of(record, frac)
-                    if stats.world_rank != rank:
-                        stats = dataclasses.replace(stats, world_rank=rank)
+            else:
+                stats = self._stats_of(record, frac)
+                if stats is not None:
                     kept.append(stats)
-                except Exception:  # noqa: BLE001
-                    self._failed_once("timer")
-                    stats = None
             if stats is None:            # no timings: the memory rules alone (what _observe does)
                 found = self._observe(None, record.step, frac)
             else:
