@@ -57,15 +57,8 @@ FRACS = [0.5] * 70 + [0.89] + [0.5] * 9
 
 def _reference() -> dict[int, list[str]]:
     """A gate fed every step directly: which decisions come at which step."""
-    gate = StepGate(GuardConfig(gate_batch_steps=5, memory_predict_steps=0),
-                    clock=GateClock())
-    out = {}
-    for step, (total, frac) in enumerate(zip(TOTALS, FRACS)):
-        got = gate.observe(StepStats(step=step, total_s=total, forward_s=total,
-                                     memory_frac=frac))
-        if got:
-            out[step] = [d.action.value for d in got]
-    return out
+    return _decisions_by_step(TOTALS, FRACS, GuardConfig(gate_batch_steps=5,
+                                                         memory_predict_steps=0), fast=False)
 
 
 def test_quiet_steps_reach_the_gate_in_batches_and_decisions_keep_their_step():
