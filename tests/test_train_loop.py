@@ -67,11 +67,17 @@ class RecordingSource:
         self.script = script or {}        # boundary -> decisions returned there
         self.loop: GuardedTrainLoop | None = None
         self.polls: list[tuple[int, list[int], int]] = []   # (step, stats steps, buffered)
+        self.finished: list[int] | None = None              # steps handed to finish()
 
     def poll(self, step, stats):
         self.polls.append((step, [s.step for s in stats], len(self.loop.guard._buffer)))
         due = self.inner.poll(step, stats) if self.inner is not None else []
         return due + self.script.get(step, [])
+
+    def finish(self, stats):
+        self.finished = [s.step for s in stats]
+        if self.inner is not None:
+            self.inner.finish(stats)
 
 
 class CountingExchange(SingleRankExchange):
@@ -156,11 +162,12 @@ def test_stats_are_read_every_report_period_and_none_is_lost(tmp_path):
     held = [h for step, _, h in source.polls if step >= 13]
     assert sorted(set(held)) == list(range(B))
     assert all((b - a) % B == 1 for a, b in zip(held, held[1:]))
-    # the coordinator gets the full batches of N (20-22 wait in the client for more, as they
-    # would have step by step), the lockstep agrees at every multiple of K
+    # the coordinator gets the full batches of N, and at the end of the run the last, partial
+    # one (20-22; the boundary at 23 read them, so finish() gets nothing more); the lockstep
+    # agrees at every multiple of K
     assert coordinator.batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
-                                   [12, 13, 14, 15], [16, 17, 18, 19]]
-    assert [s.step for s in client._buffer] == [20, 21, 22]
+                                   [12, 13, 14, 15], [16, 17, 18, 19], [20, 21, 22]]
+    assert source.finished == [] and client._buffer == []
     assert client.num_reports_dropped == 0
     assert exchange.steps == [4, 8, 12, 16, 20]
     # the gate saw every step (the end-of-run attribution reads its window)
@@ -170,7 +177,7 @@ def test_stats_are_read_every_report_period_and_none_is_lost(tmp_path):
 
 @pytest.mark.parametrize("script,handed_last", [
     # a stop due at once, returned at boundary 11 (no read there): steps 8-10 reach the gauges
-    # after the loop; the source had them up to the read at 8
+    # and the source's finish() after the loop; the source had them up to the read at 8
     ({11: [_stop(None)]}, 8),
     # a stop for boundary 11 handed over at 9: pending, so boundary 11 reads the stats first
     ({9: [_stop(11)]}, 11),
@@ -182,3 +189,4 @@ def test_a_stop_between_report_steps_loses_no_stats(tmp_path, script, handed_las
     assert loop.metrics.steps == list(range(11))
     handed = [s for _, steps, _ in source.polls for s in steps]
     assert handed == list(range(handed_last))
+    assert handed + source.finished == list(range(11))      # every step, once, in order

@@ -101,8 +101,19 @@ class CoordinatorClient:
             self._buffer.append(stats)
         else:
             self._buffer.extend(stats)
-        if len(self._buffer) < self.report_every_steps:
-            return
+        if len(self._buffer) >= self.report_every_steps:
+            self._send(fetch=True)
+
+    def flush(self) -> None:
+        """Send the steps kept so far, a partial batch: at the end of this rank's run, so the
+        coordinator sees its last steps too. Asks no decisions (none is applied any more)."""
+        if self._buffer:
+            self._send(fetch=False)
+
+    def _send(self, *, fetch: bool) -> None:
+        """One report of the kept steps (fail open: dropped and counted when the coordinator
+        is not there or is slow), then a decisions fetch unless one is out or ``fetch`` is
+        False."""
         batch, self._buffer = self._buffer, []
         handle = self._connect()
         if handle is None:
@@ -122,7 +133,7 @@ class CoordinatorClient:
             except Exception as exc:  # noqa: BLE001 - fail open
                 self._lose(exc)
                 return
-        if self._fetch is None:
+        if fetch and self._fetch is None:
             try:
                 self._fetch = handle.decisions_since.remote(self.cursor)
             except Exception as exc:  # noqa: BLE001 - fail open
@@ -227,6 +238,17 @@ class LockstepDecisionSource:
         self.lockstep = lockstep
         self.client = client
         self.first_step: int | None = None
+
+    def finish(self, stats: Sequence[StepStats] = ()) -> None:
+        """This rank's run ended: ``stats`` (steps no boundary handed over) and the steps the
+        client still keeps go to the coordinator, a last partial batch. Fail open."""
+        if self.client is not None:
+            try:
+                if stats:
+                    self.client.record(stats)
+                self.client.flush()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("decision source: last report failed (%r); going on", exc)
 
     def poll(self, step: int, stats: StepStats | Sequence[StepStats] | None = None
              ) -> list[Decision]:

@@ -431,7 +431,8 @@ class GuardedTrainLoop:
     def _train(self) -> None:
         """The steps. The guard's StepStats are read (:meth:`_stats_due`) only at some
         boundaries and go, in order, to the gauges and the decision source; whatever a stop at
-        another boundary leaves goes to the gauges after the loop."""
+        another boundary leaves goes to the gauges after the loop, and to the decision source's
+        ``finish`` (when it has one: the cluster client's last, partial report)."""
         cfg = self.config
         micro_batches = self._micro_batches()
         while self.step < self.total_steps:
@@ -466,17 +467,24 @@ class GuardedTrainLoop:
                 self.metrics.record(stats)
             if self._boundary(self.step, decisions, new_stats):
                 break
-        for stats in self.guard.drain_stats():   # a stop the source decided at another step
+        left = self.guard.drain_stats()          # a stop the source decided at another step
+        for stats in left:
             self.metrics.record(stats)
+        finish = getattr(cfg.decision_source, "finish", None)
+        if callable(finish):
+            try:
+                finish(left)
+            except Exception:  # noqa: BLE001 - fail open: only the last report is lost
+                logger.warning("rank %d: decision source finish failed", self.rank,
+                               exc_info=True)
 
     def _stats_due(self, step: int, local: list[Decision]) -> bool:
         """Whether the boundary after ``step`` steps reads the guard's StepStats: every
         ``report_every_steps`` steps (the guard keeps max(step_window, report_every_steps) of
         them, so none is lost), where the gate decided something, and where the run may stop or
         checkpoint: the last step, an agreement step (lockstep and stop flag), a checkpoint step,
-        a pending cluster decision due now. A read flushes the guard's buffer of quiet steps
-        to its gate, so the gate is fed at least every ``report_every_steps`` steps, in
-        batches of up to that many (``gate_batch_steps`` when smaller)."""
+        a pending cluster decision due now. A read does not feed the guard's waiting steps to
+        its gate (:meth:`StepGuard.drain_stats`): the gate batches stay ``gate_batch_steps``."""
         if local or step >= self.total_steps:
             return True
         for every in self._stats_every:
