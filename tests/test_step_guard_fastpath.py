@@ -25,6 +25,14 @@ class HandClock:
         return self.now
 
 
+def _step(guard, clock, step, total_s=0.01):
+    """One step of ``total_s`` on the hand clock, all of it forward; the step's decisions."""
+    guard.begin_step(step)
+    clock.now += total_s
+    guard.mark("forward")
+    return guard.end_step(step)
+
+
 class GateClock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -73,11 +81,8 @@ def test_quiet_steps_reach_the_gate_in_batches_and_decisions_keep_their_step():
     guard.gate = gate
     fed_at, got = [], {}
     for step, total in enumerate(TOTALS):
-        guard.begin_step(step)
-        clock.now += total
-        guard.mark("forward")
         before = gate.num_observed
-        decisions = guard.end_step(step)
+        decisions = _step(guard, clock, step, total)
         if gate.num_observed > before:
             fed_at.append(step)
         if decisions:
@@ -104,10 +109,7 @@ def test_drain_and_state_dict_see_buffered_steps():
     clock = HandClock()
     guard = StepGuard(config, timer=StepTimer(clock=clock))
     for step in range(45):
-        guard.begin_step(step)
-        clock.now += 0.01
-        guard.mark("forward")
-        assert guard.end_step(step) == []
+        assert _step(guard, clock, step) == []
     assert guard._buffer                    # quiet steps are waiting (45 is no multiple of 10)
     assert [s.step for s in guard.drain_stats()][-1] == 44
     assert guard.state_dict()["gate"]["num_seen"] == 45
@@ -126,10 +128,7 @@ def test_host_memory_far_below_the_watermark_is_read_every_few_steps():
     clock = HandClock()
     guard = StepGuard(config, probe=probe, timer=StepTimer(clock=clock))
     for step in range(45):
-        guard.begin_step(step)
-        clock.now += 0.01
-        guard.mark("forward")
-        guard.end_step(step)
+        _step(guard, clock, step)
     assert probe.num_reads == 25
     stats = guard.drain_stats()
     assert [s.memory_frac for s in stats] == pytest.approx([0.5] * 27 + [0.80] * 6
@@ -138,10 +137,7 @@ def test_host_memory_far_below_the_watermark_is_read_every_few_steps():
     device = ScriptedProbe([0.5])
     guard = StepGuard(config, probe=device, timer=StepTimer(clock=clock))
     for step in range(25):
-        guard.begin_step(step)
-        clock.now += 0.01
-        guard.mark("forward")
-        guard.end_step(step)
+        _step(guard, clock, step)
     assert device.num_reads == 25
 
 
@@ -166,10 +162,7 @@ def _decisions_by_step(totals, fracs, config, *, fast: bool,
                       clock=GateClock(), sleep=lambda s: None)
     out, drained = {}, []
     for step, total in enumerate(totals):
-        guard.begin_step(step)
-        clock.now += total
-        guard.mark("forward")
-        got = guard.end_step(step)
+        got = _step(guard, clock, step, total)
         if got:
             out[step] = [d.action.value for d in got]
         if drain_every and step % drain_every == 0:
@@ -221,11 +214,8 @@ def test_waiting_steps_are_capped_by_the_window():
     guard.gate = gate
     fed_at = []
     for step in range(80):
-        guard.begin_step(step)
-        clock.now += 0.01
-        guard.mark("forward")
         before = gate.num_observed
-        guard.end_step(step)
+        _step(guard, clock, step)
         if gate.num_observed > before:
             fed_at.append(step)
     late = [s for s in fed_at if s >= 40]
