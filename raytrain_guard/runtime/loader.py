@@ -61,6 +61,7 @@ from raytrain_guard.runtime.batches import batch_nbytes, batch_signature, map_te
 from raytrain_guard.runtime.context import current_context
 from raytrain_guard.runtime.device_prefetch import DevicePrefetcher, ThreadedPrefetcher
 from raytrain_guard.runtime.sampler import ResumableDistributedSampler
+from raytrain_guard.runtime.timing import BEGUN_BY_LOADER, DATA_SLOT, NOT_BEGUN, UNTIMED
 from raytrain_guard.runtime.worker_memory import WorkerMemoryWatcher
 from raytrain_guard.units import format_bytes
 
@@ -169,6 +170,7 @@ class GuardedDataLoader:
         self._num_batches = 0
         self._num_checked = 0
         self._replans = 0
+        self._step_timer: Any = None    # a host StepTimer this loader stamps (time_steps)
         self._watcher: WorkerMemoryWatcher | None = None
         if watch_worker_memory:
             ref = weakref.ref(self)
@@ -373,8 +375,20 @@ class GuardedDataLoader:
                     self.plan.num_workers, self.plan.prefetch_factor)
         return self._open_stage()
 
+    def time_steps(self, timer: Any) -> bool:
+        """Stamp ``timer``'s steps from now on (the next iterator on): open a step nobody began
+        where the loop starts fetching its first batch, and end the ``data`` phase where each
+        batch arrives (see :meth:`StepTimer.loader_stamps`). Returns whether it will: only a
+        host timer on this loader's clock can be stamped; None stops. Usually called through
+        :meth:`StepGuard.attach_loader`."""
+        if timer is not None and not timer.loader_stamps(self._clock):
+            return False
+        self._step_timer = timer
+        return timer is not None
+
     def _batches(self, generation: int) -> Iterator[Any]:
         clock = self._clock
+        timer = self._step_timer
         source, stage = self._open_stage()
         last = clock()
         try:
@@ -383,7 +397,19 @@ class GuardedDataLoader:
                     source, stage = self._restart()
                 elif stage is not None and stage.depth != self._device_prefetch_depth:
                     stage.set_depth(self._device_prefetch_depth)
-                t0 = clock()
+                if timer is None:
+                    t0 = clock()
+                else:
+                    # StepTimer.begin_step and mark("data"), inline (see time_steps)
+                    record = timer._record
+                    if record.step == NOT_BEGUN and len(record.marks) == 1:
+                        if timer.before_step is not None:
+                            timer.before_step()      # the guard's pacing sleep
+                        t0 = clock()
+                        record.marks[0] = (UNTIMED, t0)
+                        record.step = BEGUN_BY_LOADER
+                    else:
+                        t0 = clock()
                 try:
                     batch = next(source)
                 except StopIteration:
@@ -396,6 +422,8 @@ class GuardedDataLoader:
                                          fix=SAME_SHAPE_FIX) from exc
                     raise
                 now = clock()
+                if timer is not None:
+                    record.marks.append((DATA_SLOT, now))
                 wait = now - t0
                 nbytes = batch_nbytes(batch)
                 self.last_data_wait_s = wait

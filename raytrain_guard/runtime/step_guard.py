@@ -117,6 +117,9 @@ class StepGuard:
         self._reuse_max = _REUSE_MAX_FACTOR * config.memory_read_every_steps - 1
         if fault_injector is None:
             self.mark = self.timer.mark      # type: ignore[method-assign]  # one call less
+        #: whether a loader opens the steps and times their data phase (:meth:`attach_loader`):
+        #: the loop then calls neither :meth:`begin_step` nor ``mark("data")``
+        self.loader_attached = False
         self._bind_begin()
 
     # -- the step ----------------------------------------------------------------------------
@@ -325,13 +328,44 @@ class StepGuard:
         self._pace_delay_s = delay
         self._bind_begin()
 
+    def attach_loader(self, loader: Any) -> bool:
+        """Let ``loader`` (a :class:`~raytrain_guard.runtime.loader.GuardedDataLoader`) open
+        each step where the loop starts fetching its first batch (after the pacing sleep, when
+        pacing), and end the ``data`` phase where each batch arrives, from its next iterator
+        on. The loop then calls neither :meth:`begin_step` nor ``mark("data")``: two
+        cold-cache calls fewer per step (docs/benchmarks.md, gate overhead). Calling them
+        anyway stays correct: a step begun by the loop is not restarted by the loader, and a
+        second ``data`` mark adds the few microseconds since the loader's. Returns whether the
+        loader took it: it needs a host timer on the loader's clock (not CUDA events) and no
+        fault injector (whose ``data`` delays run in :meth:`mark`); otherwise nothing
+        changes and the loop marks as before."""
+        if self.fault_injector is not None or not self._fast:
+            return False
+        self.timer.before_step = None
+        try:
+            attached = bool(loader.time_steps(self.timer))
+        except Exception:  # noqa: BLE001 - fail open: the loop marks as before
+            self._failed_once("attach_loader")
+            attached = False
+        self.loader_attached = attached
+        self._bind_begin()
+        return attached
+
     def _bind_begin(self) -> None:
         """Without pacing or fault injection, :meth:`begin_step` is the timer's own (one call
-        less per step; the step number is known again at end_step)."""
-        if self._pace_delay_s > 0 or self.fault_injector is not None:
+        less per step; the step number is known again at end_step). With an attached loader
+        the pacing sleep is the loader's to make, where it opens a step."""
+        pacing = self._pace_delay_s > 0
+        if pacing or self.fault_injector is not None:
             self.__dict__.pop("begin_step", None)
         else:
             self.begin_step = self.timer.begin_step   # type: ignore[method-assign]
+        if self.loader_attached:
+            self.timer.before_step = self._pace_sleep if pacing else None
+
+    def _pace_sleep(self) -> None:
+        """The pacing sleep before a step an attached loader opens."""
+        self._sleep(self._pace_delay_s)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able) to checkpoint the guard: the gate's state and the pacing

@@ -42,6 +42,13 @@ PHASE_FIELDS = {"data": "data_wait_s", "data_wait": "data_wait_s", "forward": "f
                 "backward": "backward_s", "optimizer": "optimizer_s"}
 _SLOT = {"data": 0, "data_wait": 0, "forward": 1, "backward": 2, "optimizer": 3}
 _UNTIMED = -1
+#: ``_StepRecord.step`` of a record nobody began yet (opened where the previous step ended),
+#: and of one a GuardedDataLoader began (see :meth:`StepTimer.loader_stamps`)
+NOT_BEGUN = -1
+BEGUN_BY_LOADER = -2
+#: the slot of a ``data`` mark, and of a stamp that ends no phase (a step's start)
+DATA_SLOT = _SLOT["data"]
+UNTIMED = _UNTIMED
 
 
 class _StepRecord:
@@ -50,7 +57,7 @@ class _StepRecord:
     __slots__ = ("done", "last_ready", "lender", "lends_end", "marks", "released", "step")
 
     def __init__(self, start: Any, lender: "_StepRecord | None" = None) -> None:
-        self.step = -1
+        self.step = NOT_BEGUN
         self.marks: list[tuple[int, Any]] = [(_UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
@@ -130,6 +137,9 @@ class StepTimer:
         self._pending: deque[_StepRecord] = deque()
         self._dropped = 0
         self._events = _EventPool() if self._cuda else None
+        #: called (no argument) by a GuardedDataLoader stamping this timer before it opens a
+        #: step: StepGuard's pacing sleep while it paces (:meth:`StepGuard.attach_loader`)
+        self.before_step: Callable[[], None] | None = None
         if not self._cuda:
             self._stamp = clock          # type: ignore[method-assign]  # a call less per mark
         self._record = _StepRecord(self._stamp())
@@ -189,6 +199,15 @@ class StepTimer:
             self._events.release(oldest)
             return stats
         return None
+
+    def loader_stamps(self, clock: Callable[[], float]) -> bool:
+        """Whether a data loader on ``clock`` may stamp this timer's steps itself: a host
+        timer on the same clock. A GuardedDataLoader that does (``StepGuard.attach_loader``)
+        opens a step nobody began where it starts fetching the step's first batch (after
+        :attr:`before_step`; the restart :meth:`begin_step` makes, the record's ``step`` set
+        to ``BEGUN_BY_LOADER``) and ends the ``data`` phase where each batch arrives (the stamp :meth:`mark` appends):
+        two cold-cache calls fewer per step, inline in the loader's own bookkeeping."""
+        return not self._cuda and clock is self._clock
 
     @property
     def on_host(self) -> bool:

@@ -341,6 +341,8 @@ class GuardedTrainLoop:
         timer = StepTimer(device=self.device, world_rank=self.rank)
         self.guard = StepGuard(cfg.guard, probe=self._probe(), timer=timer,
                                world_rank=self.rank, fault_injector=self.faults)
+        # the loader opens the steps and times their data phase (host timers; see _train)
+        self.guard.attach_loader(self.loader)
         if self.planned.kind == "ddp":
             try:
                 attach_comm_timer(self.planned.module, timer)
@@ -435,39 +437,42 @@ class GuardedTrainLoop:
         ``finish`` (when it has one: the cluster client's last, partial report)."""
         cfg = self.config
         micro_batches = self._micro_batches()
+        guard = self.guard
         while self.step < self.total_steps:
             step = self.step
             if self.memory_faults:
                 self._fill_memory(step)
-            self.guard.begin_step(step)
+            if not guard.loader_attached:      # else the loader opens the step (attach_loader)
+                guard.begin_step(step)
             grad_accum = self.grad_accum       # changes only at a step boundary (a shrink)
             step_loss = None                   # the step's loss: mean of its micro-batches'
             for micro in range(grad_accum):
                 batch = next(micro_batches)
-                self.guard.mark("data")
+                if not guard.loader_attached:  # else the loader marked it
+                    guard.mark("data")
                 if self._audit is not None:
                     self._log_ids(step, batch)
                 with self.planned.grad_sync(micro == grad_accum - 1):
                     loss = cfg.loss_fn(self.planned.module, batch)
                     _check_loss(loss, step)
-                    self.guard.mark("forward")
+                    guard.mark("forward")
                     scaled = loss / grad_accum
                     scaled.backward()
                 step_loss = scaled.detach() if step_loss is None else step_loss + scaled.detach()
-                self.guard.mark("backward")
+                guard.mark("backward")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.guard.mark("optimizer")
+            guard.mark("optimizer")
             self._last_loss = step_loss
             self.step = step + 1
-            decisions = self.guard.end_step(step)
-            new_stats = (self.guard.drain_stats() if self._stats_due(self.step, decisions)
+            decisions = guard.end_step(step)
+            new_stats = (guard.drain_stats() if self._stats_due(self.step, decisions)
                          else [])
             for stats in new_stats:
                 self.metrics.record(stats)
             if self._boundary(self.step, decisions, new_stats):
                 break
-        left = self.guard.drain_stats()          # a stop the source decided at another step
+        left = guard.drain_stats()          # a stop the source decided at another step
         for stats in left:
             self.metrics.record(stats)
         finish = getattr(cfg.decision_source, "finish", None)
@@ -649,6 +654,9 @@ class GuardedTrainLoop:
             raise
         old.close()                    # its live iterator ends; _micro_batches reads the new one
         self.loader = new
+        guard = getattr(self, "guard", None)
+        if guard is not None and guard.loader_attached:
+            guard.attach_loader(new)   # the same timer: the same step stamps, from the new one
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         steps_per_epoch = len(new) // grad_accum
         if steps_per_epoch != self.steps_per_epoch:

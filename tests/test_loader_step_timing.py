@@ -1,0 +1,200 @@
+"""A GuardedDataLoader attached to a StepGuard (``StepGuard.attach_loader``) opens each step
+where the loop starts fetching its first batch and ends the data phase where each batch
+arrives: the figures must be the ones the loop's own begin_step / mark("data") give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.runtime.loader import GuardedDataLoader
+from raytrain_guard.runtime.probes import FaultInjector
+from raytrain_guard.runtime.step_guard import StepGuard
+from raytrain_guard.runtime.timing import StepTimer
+
+
+class Clock:
+    """A clock the test moves by hand (reads do not advance it)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TimedDataset:
+    """Sample i: a 4-float vector; reading a sample advances ``clock`` by ``read_s``."""
+
+    def __init__(self, n: int, clock: Clock, read_s: float = 0.01) -> None:
+        self.n, self.clock, self.read_s = n, clock, read_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.clock.now += self.read_s
+        return torch.full((4,), float(i))
+
+
+def make(dataset, clock: Clock, batch_size: int = 2) -> GuardedDataLoader:
+    return GuardedDataLoader(dataset, batch_size, world_rank=0, world_size=1, num_workers=0,
+                             gpus_per_node=1, watch_worker_memory=False, clock=clock,
+                             shuffle=False)
+
+
+def guard_on(clock: Clock, **kw) -> StepGuard:
+    return StepGuard(GuardConfig(gate_batch_steps=1), timer=StepTimer(clock=clock), **kw)
+
+
+def run(guard: StepGuard, loader, clock: Clock, steps: int, *, explicit: bool,
+        grad_accum: int = 1, between_s: float = 0.0) -> list:
+    """``steps`` steps of ``grad_accum`` micro-batches: forward 0.1 s, backward 0.2 s per
+    micro-batch, optimizer 0.05 s, and ``between_s`` of the loop's own work between steps
+    (a report, a checkpoint). ``explicit``: the loop calls begin_step and mark("data"), else
+    neither, as the train loop does with an attached loader."""
+    batches = iter(loader)
+    for step in range(steps):
+        clock.now += between_s
+        if explicit:
+            guard.begin_step(step)
+        for _ in range(grad_accum):
+            next(batches)
+            if explicit:
+                guard.mark("data")
+            clock.now += 0.1
+            guard.mark("forward")
+            clock.now += 0.2
+            guard.mark("backward")
+        clock.now += 0.05
+        guard.mark("optimizer")
+        guard.end_step(step)
+    return guard.drain_stats()
+
+
+def figures(stats) -> list[tuple]:
+    return [(s.step, round(s.total_s, 9), round(s.data_wait_s, 9), round(s.forward_s, 9),
+             round(s.backward_s, 9), round(s.optimizer_s, 9)) for s in stats]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_attached_loader_gives_the_loops_own_figures(grad_accum):
+    got = {}
+    for explicit in (True, False):
+        clock = Clock()
+        loader = make(TimedDataset(24, clock), clock)
+        guard = guard_on(clock)
+        assert guard.attach_loader(loader) and guard.loader_attached
+        got[explicit] = figures(run(guard, loader, clock, 4, explicit=explicit,
+                                    grad_accum=grad_accum, between_s=5.0))
+    assert got[False] == got[True]
+    # each fetch reads 2 samples (0.02 s): the data phase is the fetches only; the 5 s between
+    # steps (the loop's own work) is in no step
+    for step, total, data, fwd, bwd, opt in got[False]:
+        assert data == pytest.approx(0.02 * grad_accum)
+        assert fwd == pytest.approx(0.1 * grad_accum) and bwd == pytest.approx(0.2 * grad_accum)
+        assert opt == pytest.approx(0.05)
+        assert total == pytest.approx(0.32 * grad_accum + 0.05)
+
+
+def test_without_attaching_the_steps_start_where_the_last_ended():
+    # the control for the test above: the same loop, not attached, calling neither begin_step
+    # nor mark("data"): the loop's 5 s land in every step after the first (what attach avoids)
+    clock = Clock()
+    loader = make(TimedDataset(24, clock), clock)
+    guard = guard_on(clock)
+    stats = run(guard, loader, clock, 3, explicit=False, between_s=5.0)
+    assert [round(s.total_s, 6) for s in stats][1:] == [5.37, 5.37]
+    assert all(s.data_wait_s == 0 for s in stats)
+
+
+def test_an_epoch_change_inside_a_step_counts_as_data_wait():
+    # 6 samples, batches of 2: the 4th fetch of the loop ends the epoch (StopIteration) and the
+    # next iterator starts the new one. The step that spans the change waits for both fetches,
+    # from the first one's start: the loader does not restart a step it opened already.
+    clock = Clock()
+    loader = make(TimedDataset(6, clock), clock)
+    guard = guard_on(clock)
+    assert guard.attach_loader(loader)
+
+    def forever():
+        while True:
+            yield from loader
+
+    batches = forever()
+    for step in range(4):
+        clock.now += 1.0
+        next(batches)
+        clock.now += 0.1
+        guard.mark("forward")
+        guard.end_step(step)
+    stats = guard.drain_stats()
+    assert [round(s.data_wait_s, 6) for s in stats] == [0.02, 0.02, 0.02, 0.02]
+    # the end of epoch costs no clock time here; make it cost some and see it counted
+    clock2 = Clock()
+    loader2 = make(TimedDataset(2, clock2), clock2)
+    guard2 = guard_on(clock2)
+    guard2.attach_loader(loader2)
+    first = iter(loader2)
+    next(first)                                    # step 0: the epoch's only batch
+    guard2.end_step(0)
+    clock2.now += 1.0                              # between steps: not counted
+    with pytest.raises(StopIteration):
+        next(first)                                # step 1 opens here, the epoch is over
+    clock2.now += 0.5                              # the loop's epoch change, inside step 1
+    next(iter(loader2))
+    guard2.end_step(1)
+    step1 = guard2.drain_stats()[-1]
+    assert step1.data_wait_s == pytest.approx(0.52) and step1.total_s == pytest.approx(0.52)
+
+
+def test_attach_is_refused_where_the_loader_cannot_stamp():
+    clock = Clock()
+    loader = make(TimedDataset(8, clock), clock)
+    # another clock than the loader's
+    assert not StepGuard(GuardConfig()).attach_loader(loader)
+    # a fault injector: its data delays run in mark("data")
+    injected = StepGuard(GuardConfig(), timer=StepTimer(clock=clock),
+                         fault_injector=FaultInjector())
+    assert not injected.attach_loader(loader) and not injected.loader_attached
+
+    # a timer of CUDA events (not on the host)
+    class EventTimer(StepTimer):
+        on_host = False
+
+    events = StepGuard(GuardConfig(), timer=EventTimer(clock=clock))
+    assert not events.attach_loader(loader) and not events.loader_attached
+
+    # a loader that fails: the guard fails open, the loop marks as before
+    class Broken:
+        def time_steps(self, timer):
+            raise RuntimeError("bug")
+
+    guard = guard_on(clock)
+    assert not guard.attach_loader(Broken()) and not guard.loader_attached
+
+
+def test_pacing_sleeps_before_each_step_the_loader_opens():
+    # pacing with an attached loader: the loader sleeps before it opens each step, outside the
+    # step's time, once per step (not per micro-batch); an explicit begin_step sleeps instead
+    clock = Clock()
+    loader = make(TimedDataset(40, clock), clock)
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        clock.now += seconds
+
+    guard = guard_on(clock, sleep=sleep)
+    assert guard.attach_loader(loader)
+    guard.set_pace(0.25)
+    stats = run(guard, loader, clock, 2, explicit=False, grad_accum=2)
+    assert slept == [0.25, 0.25]
+    assert [round(s.data_wait_s, 6) for s in stats] == [0.04, 0.04]
+    assert [round(s.total_s, 6) for s in stats] == [0.69, 0.69]
+    stats = run(guard, loader, clock, 1, explicit=True)
+    assert slept == [0.25, 0.25, 0.25] and round(stats[0].total_s, 6) == 0.37
+    guard.set_pace(0)
+    run(guard, loader, clock, 2, explicit=False)
+    assert len(slept) == 3
