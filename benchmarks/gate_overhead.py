@@ -15,7 +15,7 @@ Four loops over the same work (a matmul "forward", a matmul "backward", an in-pl
   comparison is the guard's own bookkeeping, not a different worker count), attached as the
   shared train loop attaches them (``StepGuard.attach_loader``): the loader opens each step
   and ends its data phase, so the loop calls neither ``begin_step`` nor ``mark("data")``
-  (on CUDA the timer's events cannot be stamped by the loader: both are called there).
+  (on the host the loader writes both stamps inline; on CUDA it records the timer's events).
 
 Interleaving is per step: each round runs one step of every loop, in a fresh random order (so
 no loop always follows another: what ran just before a step changes its cost by up to a
@@ -234,7 +234,7 @@ def main() -> None:
                                gpus_per_node=1, num_workers=0,
                                device=args.device if cuda else None)
     batches = [torch_batches(), torch_batches(), torch_batches(), forever(loader)]
-    attached = guards[1].attach_loader(loader)     # False on CUDA (event timers): marks as before
+    attached = guards[1].attach_loader(loader)     # the loader opens steps, times data
     loops = {
         "plain": lambda s: plain_step(work, batches[0]),
         "plain again": lambda s: plain_step(work, batches[1]),

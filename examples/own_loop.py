@@ -51,13 +51,12 @@ def train_func(config: dict) -> None:
     guard = StepGuard(guard_config, probe=ProcessMemoryProbe(guard_config),          # guard
                       world_rank=ctx.get_world_rank())                               # guard
     attach_comm_timer(model, guard.timer)                                            # guard
+    guard.attach_loader(loader)    # the loader opens each step and times its data   # guard
 
     step = 0
     for epoch in range(config["epochs"]):
         loader.set_epoch(epoch)
-        guard.begin_step(step)                                                       # guard
         for batch in loader:
-            guard.mark("data")                                                       # guard
             loss = toy.loss_fn(model, batch)
             guard.mark("forward")                                                    # guard
             loss.backward()
@@ -69,7 +68,6 @@ def train_func(config: dict) -> None:
                 if decision.action is Action.CHECKPOINT_AND_STOP:                    # guard
                     print(f"rank {ctx.get_world_rank()}: {decision}")  # checkpoint + stop here
             step += 1
-            guard.begin_step(step)                                                   # guard
         # report once per epoch (a barrier): never every step
         ray.train.report({"epoch": epoch, "loss": float(loss.detach()), "step": step,
                           "bucket_cap_mb": plan.bucket_cap_mb,

@@ -78,16 +78,43 @@ def figures(stats) -> list[tuple]:
              round(s.backward_s, 9), round(s.optimizer_s, 9)) for s in stats]
 
 
+class EventLikeTimer(StepTimer):
+    """A timer the loader must call, as it calls a timer of CUDA events (not on the host);
+    its stamps are the host clock's here, so the figures can be compared."""
+
+    on_host = False
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.calls: list[str] = []
+
+    def begin_step(self, step: int) -> None:
+        self.calls.append(f"begin {step}")
+        super().begin_step(step)
+
+    def mark(self, phase: str) -> None:
+        self.calls.append(phase)
+        super().mark(phase)
+
+
+@pytest.mark.parametrize("timer_kind", ["host", "events"])
 @pytest.mark.parametrize("grad_accum", [1, 3])
-def test_attached_loader_gives_the_loops_own_figures(grad_accum):
+def test_attached_loader_gives_the_loops_own_figures(grad_accum, timer_kind):
     got = {}
     for explicit in (True, False):
         clock = Clock()
         loader = make(TimedDataset(24, clock), clock)
-        guard = guard_on(clock)
+        timer_type = StepTimer if timer_kind == "host" else EventLikeTimer
+        guard = StepGuard(GuardConfig(gate_batch_steps=1), timer=timer_type(clock=clock))
         assert guard.attach_loader(loader) and guard.loader_attached
         got[explicit] = figures(run(guard, loader, clock, 4, explicit=explicit,
                                     grad_accum=grad_accum, between_s=5.0))
+        if timer_kind == "events" and not explicit:
+            # the loader calls the timer: begin where a step's first fetch starts, a data mark
+            # per fetch (the loop's own marks: forward, backward per micro-batch, optimizer)
+            step_calls = ["begin -2"] + ["data", "forward", "backward"] * grad_accum + \
+                ["optimizer"]
+            assert guard.timer.calls == step_calls * 4
     assert got[False] == got[True]
     # each fetch reads 2 samples (0.02 s): the data phase is the fetches only; the 5 s between
     # steps (the loop's own work) is in no step
@@ -158,13 +185,6 @@ def test_attach_is_refused_where_the_loader_cannot_stamp():
     injected = StepGuard(GuardConfig(), timer=StepTimer(clock=clock),
                          fault_injector=FaultInjector())
     assert not injected.attach_loader(loader) and not injected.loader_attached
-
-    # a timer of CUDA events (not on the host)
-    class EventTimer(StepTimer):
-        on_host = False
-
-    events = StepGuard(GuardConfig(), timer=EventTimer(clock=clock))
-    assert not events.attach_loader(loader) and not events.loader_attached
 
     # a loader that fails: the guard fails open, the loop marks as before
     class Broken:

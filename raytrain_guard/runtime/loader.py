@@ -378,9 +378,9 @@ class GuardedDataLoader:
     def time_steps(self, timer: Any) -> bool:
         """Stamp ``timer``'s steps from now on (the next iterator on): open a step nobody began
         where the loop starts fetching its first batch, and end the ``data`` phase where each
-        batch arrives (see :meth:`StepTimer.loader_stamps`). Returns whether it will: only a
-        host timer on this loader's clock can be stamped; None stops. Usually called through
-        :meth:`StepGuard.attach_loader`."""
+        batch arrives (see :meth:`StepTimer.loader_stamps`). Returns whether it will: a host
+        timer must be on this loader's clock (a timer of CUDA events records its own); None
+        stops. Usually called through :meth:`StepGuard.attach_loader`."""
         if timer is not None and not timer.loader_stamps(self._clock):
             return False
         self._step_timer = timer
@@ -389,6 +389,7 @@ class GuardedDataLoader:
     def _batches(self, generation: int) -> Iterator[Any]:
         clock = self._clock
         timer = self._step_timer
+        on_host = timer is not None and timer.on_host
         source, stage = self._open_stage()
         last = clock()
         try:
@@ -400,14 +401,18 @@ class GuardedDataLoader:
                 if timer is None:
                     t0 = clock()
                 else:
-                    # StepTimer.begin_step and mark("data"), inline (see time_steps)
+                    # StepTimer.begin_step and mark("data"), inline on a host timer (see
+                    # time_steps); a timer of CUDA events records its own
                     record = timer._record
                     if record.step == NOT_BEGUN and len(record.marks) == 1:
                         if timer.before_step is not None:
                             timer.before_step()      # the guard's pacing sleep
                         t0 = clock()
-                        record.marks[0] = (UNTIMED, t0)
-                        record.step = BEGUN_BY_LOADER
+                        if on_host:
+                            record.marks[0] = (UNTIMED, t0)
+                            record.step = BEGUN_BY_LOADER
+                        else:
+                            timer.begin_step(BEGUN_BY_LOADER)
                     else:
                         t0 = clock()
                 try:
@@ -423,7 +428,10 @@ class GuardedDataLoader:
                     raise
                 now = clock()
                 if timer is not None:
-                    record.marks.append((DATA_SLOT, now))
+                    if on_host:
+                        record.marks.append((DATA_SLOT, now))
+                    else:
+                        timer.mark("data")
                 wait = now - t0
                 nbytes = batch_nbytes(batch)
                 self.last_data_wait_s = wait

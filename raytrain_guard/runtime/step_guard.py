@@ -4,13 +4,16 @@ Use in a training loop::
 
     guard = StepGuard(config, probe=ProcessMemoryProbe(config), world_rank=rank)
     attach_comm_timer(ddp_model, guard.timer)       # optional: communication wait
-    for step, batch in enumerate(loader_iter):      # or: guard.begin_step(step) before fetching
-        guard.mark("data")
+    guard.attach_loader(loader)                     # a GuardedDataLoader opens each step
+    for step, batch in enumerate(loader):           # and times its data phase
         loss = model(batch).sum(); guard.mark("forward")
         loss.backward();           guard.mark("backward")
         opt.step();                guard.mark("optimizer")
         for decision in guard.end_step(step):
             if decision.action is Action.CHECKPOINT_AND_STOP: ...   # the loop's to act on
+
+With another loader, or none attached: ``guard.begin_step(step)`` before fetching the step's
+batch and ``guard.mark("data")`` once it is there.
 
 Per step: a few clock reads, one probe read (allocator counters or one ``/proc`` read), the
 pure gate. No RPC, no NVML, no device synchronization. The guard fails open: a probe or gate
@@ -336,10 +339,10 @@ class StepGuard:
         cold-cache calls fewer per step (docs/benchmarks.md, gate overhead). Calling them
         anyway stays correct: a step begun by the loop is not restarted by the loader, and a
         second ``data`` mark adds the few microseconds since the loader's. Returns whether the
-        loader took it: it needs a host timer on the loader's clock (not CUDA events) and no
-        fault injector (whose ``data`` delays run in :meth:`mark`); otherwise nothing
-        changes and the loop marks as before."""
-        if self.fault_injector is not None or not self._fast:
+        loader took it: not with a fault injector (whose ``data`` delays run in
+        :meth:`mark`), nor with a host timer on another clock than the loader's (tests' fake
+        clocks); then nothing changes and the loop marks as before."""
+        if self.fault_injector is not None:
             return False
         self.timer.before_step = None
         try:

@@ -201,13 +201,15 @@ class StepTimer:
         return None
 
     def loader_stamps(self, clock: Callable[[], float]) -> bool:
-        """Whether a data loader on ``clock`` may stamp this timer's steps itself: a host
-        timer on the same clock. A GuardedDataLoader that does (``StepGuard.attach_loader``)
-        opens a step nobody began where it starts fetching the step's first batch (after
-        :attr:`before_step`; the restart :meth:`begin_step` makes, the record's ``step`` set
-        to ``BEGUN_BY_LOADER``) and ends the ``data`` phase where each batch arrives (the stamp :meth:`mark` appends):
-        two cold-cache calls fewer per step, inline in the loader's own bookkeeping."""
-        return not self._cuda and clock is self._clock
+        """Whether a data loader on ``clock`` may open and time this timer's steps: a timer
+        of CUDA events, or a host timer on the same clock. A GuardedDataLoader that does
+        (``StepGuard.attach_loader``) opens a step nobody began where it starts fetching the
+        step's first batch (after :attr:`before_step`: the :meth:`begin_step` restart, with
+        the record's ``step`` set to ``BEGUN_BY_LOADER``) and ends the ``data`` phase where
+        each batch arrives. On the host it writes both stamps inline in its own bookkeeping,
+        with the clock reads it makes anyway: two cold-cache calls fewer per step; on CUDA
+        it calls :meth:`begin_step` and :meth:`mark` (events on the stream)."""
+        return self._cuda or clock is self._clock
 
     @property
     def on_host(self) -> bool:

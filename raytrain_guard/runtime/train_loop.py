@@ -341,7 +341,7 @@ class GuardedTrainLoop:
         timer = StepTimer(device=self.device, world_rank=self.rank)
         self.guard = StepGuard(cfg.guard, probe=self._probe(), timer=timer,
                                world_rank=self.rank, fault_injector=self.faults)
-        # the loader opens the steps and times their data phase (host timers; see _train)
+        # the loader opens the steps and times their data phase (see _train); not with faults
         self.guard.attach_loader(self.loader)
         if self.planned.kind == "ddp":
             try:
