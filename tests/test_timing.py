@@ -221,3 +221,33 @@ def test_comm_wait_is_the_late_completion_after_the_last_bucket(tmp_path):
             assert stats.backward_s + stats.comm_wait_s <= stats.total_s, stats
     finally:
         dist.destroy_process_group()
+
+
+def test_close_step_and_stats_of_sum_like_finish_step():
+    # StepGuard's fast path closes host steps with close_step and builds their StepStats later
+    # with stats_of (its own loop): the same figures as finish_step, communication wait included
+    stamps = (0.0, 1.0, 1.1, 1.3, 1.55, 1.60, 1.70, 1.72, 1.80, 1.85, 1.9)
+    got = []
+    for close in (False, True):
+        timer = StepTimer(clock=TickClock(*stamps), world_rank=2)
+        timer.begin_step(7)
+        timer.mark("data")
+        timer.mark("forward")
+        timer.record_bucket_ready(is_last=True)
+        timer.record_bucket_done()
+        timer.record_bucket_done()
+        timer.mark("backward")
+        timer.mark("optimizer")
+        timer.mark("data")                     # a second data phase adds up
+        if close:
+            record, total_s = timer.close_step(7)
+            stats = timer.stats_of(record, 0.5)
+            assert total_s == pytest.approx(stats.total_s)
+        else:
+            stats = timer.finish_step(7, memory_frac=0.5)
+        got.append(stats)
+    assert got[0] == got[1]
+    # comm 1.70 - 1.55; backward 1.72 - 1.3 less that wait; data 0.1 + 0.05; total 1.9 - 1.0
+    assert got[1].comm_wait_s == pytest.approx(0.15) and got[1].backward_s == pytest.approx(0.27)
+    assert got[1].data_wait_s == pytest.approx(0.15) and got[1].total_s == pytest.approx(0.9)
+    assert got[1].world_rank == 2

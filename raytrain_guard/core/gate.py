@@ -82,6 +82,12 @@ class StepGate:
         self._pacing = False
         self._next_id = 1
         self._rearm_below = config.memory_watermark_frac - config.memory_hysteresis_frac
+        # the timing rule's settings, read once per step by observe
+        self._warmup_steps = config.slow_step_warmup_steps
+        self._slow_factor = config.slow_step_factor
+        self._slow_abs_s = config.slow_step_abs_s
+        self._num_slow = config.num_slow_steps
+        self._window_len = config.step_window
 
     # -- public ------------------------------------------------------------------------------
     def observe(self, stats: StepStats) -> list[Decision]:
@@ -94,9 +100,37 @@ class StepGate:
             decisions = []
         else:
             decisions = self.observe_memory(stats.step, frac, world_rank=stats.world_rank)
-        timing = self._observe_timing(stats)
-        if timing:
-            decisions += timing
+        # the timing rule, inline: the threshold is the lower of slow_step_abs_s and
+        # slow_step_factor x the window's median (no relative rule below three steps).
+        # StepGuard feeds the gate a batch of steps at once on cold caches, where each
+        # Python call counts
+        self._num_seen += 1
+        if self._num_seen <= self._warmup_steps:
+            return decisions
+        totals = self._sorted_totals
+        n = len(totals)
+        if n >= _MIN_MEDIAN_POINTS:
+            mid = n // 2
+            threshold_s = self._slow_factor * (totals[mid] if n % 2
+                                               else (totals[mid - 1] + totals[mid]) / 2)
+            if self._slow_abs_s is not None and self._slow_abs_s < threshold_s:
+                threshold_s = self._slow_abs_s
+        else:
+            threshold_s = self._slow_abs_s
+        total_s = stats.total_s
+        if threshold_s is not None and total_s > threshold_s:
+            self._run.append(stats)
+            if len(self._run) >= self._num_slow and not self._run_reported:
+                self._run_reported = True
+                decisions.append(self._slow_step_decision(stats, threshold_s))
+        elif self._run:
+            self._run.clear()
+            self._run_reported = False
+        window = self._window                   # into the window, its totals kept sorted
+        if len(window) == self._window_len:
+            del totals[bisect.bisect_left(totals, window[0].total_s)]
+        window.append(stats)
+        bisect.insort(totals, total_s)
         return decisions
 
     def observe_memory(self, step: int, memory_frac: float, *,
@@ -247,39 +281,6 @@ class StepGate:
         return None
 
     # -- timing ------------------------------------------------------------------------------
-    def _observe_timing(self, stats: StepStats) -> list[Decision]:
-        cfg = self.config
-        self._num_seen += 1
-        if self._num_seen <= cfg.slow_step_warmup_steps:
-            return []
-        threshold_s = self._threshold_s()
-        decisions: list[Decision] = []
-        if threshold_s is not None and stats.total_s > threshold_s:
-            self._run.append(stats)
-            if len(self._run) >= cfg.num_slow_steps and not self._run_reported:
-                self._run_reported = True
-                decisions.append(self._slow_step_decision(stats, threshold_s))
-        elif self._run:
-            self._run.clear()
-            self._run_reported = False
-        window, totals = self._window, self._sorted_totals    # into the window, kept sorted
-        if len(window) == window.maxlen:
-            del totals[bisect.bisect_left(totals, window[0].total_s)]
-        window.append(stats)
-        bisect.insort(totals, stats.total_s)
-        return decisions
-
-    def _threshold_s(self) -> float | None:
-        """The slow-step threshold for the next step: the lower of the rules that apply."""
-        absolute = self.config.slow_step_abs_s
-        totals, n = self._sorted_totals, len(self._sorted_totals)
-        if n < _MIN_MEDIAN_POINTS:
-            return absolute
-        mid = n // 2
-        median = totals[mid] if n % 2 else (totals[mid - 1] + totals[mid]) / 2
-        relative = self.config.slow_step_factor * median
-        return relative if absolute is None else min(absolute, relative)
-
     def _rule_text(self, threshold_s: float) -> str:
         cfg = self.config
         if cfg.slow_step_abs_s is not None and threshold_s == cfg.slow_step_abs_s:
