@@ -232,13 +232,20 @@ class StepGuard:
         decisions, self._late = self._late, []
         buffer, self._buffer = self._buffer, []
         built, self._built = self._built, []
-        kept, observe = self._stats, self._gate.observe
+        kept, observe, stats_of = self._stats, self._gate.observe, self.timer.stats_of
+        rank, num_built = self.world_rank, len(built)
         for i, (record, frac) in enumerate(buffer):
-            if i < len(built):
+            if i < num_built:
                 stats = built[i]                 # drained already: not kept again
             else:
-                stats = self._stats_of(record, frac)
-                if stats is not None:
+                try:                             # _stats_of, inline
+                    stats = stats_of(record, frac)
+                except Exception:  # noqa: BLE001
+                    self._failed_once("timer")
+                    stats = None
+                else:
+                    if stats.world_rank != rank:
+                        stats = dataclasses.replace(stats, world_rank=rank)
                     kept.append(stats)
             if stats is None:            # no timings: the memory rules alone (what _observe does)
                 found = self._observe(None, record.step, frac)
