@@ -1,7 +1,7 @@
 """Throughput of a ~10 ms training step with and without the guard, interleaved in one run.
 
     python benchmarks/gate_overhead.py [--blocks 200] [--block-steps 20] [--step-ms 10]
-                                       [--device cpu|cuda]
+                                       [--device cpu|cuda] [--seed 0] [--runs 1]
 
 Four loops over the same work (a matmul "forward", a matmul "backward", an in-place
 "optimizer" update on one thread, sized for about --step-ms per step on an idle core):
@@ -31,6 +31,14 @@ where per-loop blocks (this script's first version) gave +-2 %. Bursts that outl
 still bias a run: the control says so (its ratio outside its own interval). Also printed: the
 guard's own cost per step, timed alone (warm caches: a lower bound of its in-loop cost).
 
+``--runs R``: R such runs, each in a fresh process (seeds seed .. seed+R-1), one after another,
+and per loop the median over runs of the runs' medians, with a distribution-free CI over runs.
+A run's interval describes that run only: on this 2-core VM two identical loops in one process
+differ by up to 0.7 % for a whole run (the control), an offset that the interleaving does not
+remove and that changes from process to process (where each loop's objects and buffers landed
+in memory, by all signs: cold-cache Python pays per page and line it touches). Runs in fresh
+processes sample that offset; their spread is the honest error bar.
+
 ``--device cuda``: the same loops with the work on the GPU (fp32 matmuls sized the same way
 for about --step-ms on the GPU). The plain loops' torch DataLoaders pin their batches and copy
 them with ``.to(device, non_blocking=True)``; the guards time with ``StepTimer(device="cuda")``
@@ -42,10 +50,12 @@ every loop ends with ``torch.cuda.synchronize()``, so its host time is the step'
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -202,7 +212,59 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the round orders")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the work runs (cuda: see the module doc)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="independent runs, each in a fresh process (seeds seed, seed+1, "
+                             "...), and their aggregate: see the module doc")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON line of this run's figures (what --runs reads)")
     args = parser.parse_args()
+    if args.runs > 1:
+        sys.exit(aggregate_runs(args))
+    measure(args)
+
+
+def child_command(args: argparse.Namespace, seed: int) -> list[str]:
+    return [sys.executable, __file__, "--blocks", str(args.blocks), "--block-steps",
+            str(args.block_steps), "--step-ms", str(args.step_ms), "--device", args.device,
+            "--seed", str(seed), "--json"]
+
+
+def aggregate_runs(args: argparse.Namespace) -> int:
+    """Run --runs fresh processes one after another; print each run's medians and, per loop,
+    the median over runs with its distribution-free CI over runs."""
+    results = []
+    for i in range(args.runs):
+        out = subprocess.run(child_command(args, args.seed + i), capture_output=True,
+                             text=True, check=False)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        if out.returncode != 0 or not lines:
+            print(f"run {i} (seed {args.seed + i}) failed:\n{out.stdout}{out.stderr}")
+            return 1
+        run = json.loads(lines[-1])
+        results.append(run)
+        print(f"run {i} seed {run['seed']}: plain step {run['plain_ms']:.2f} ms; " + ", ".join(
+            f"{name} {r['median']:.4f}" for name, r in run["loops"].items()), flush=True)
+    first = results[0]
+    print(f"machine: {first['machine']}; {args.runs} runs (fresh processes) x {args.blocks} "
+          f"blocks x {args.block_steps} rounds")
+    for name in first["loops"]:
+        medians = [r["loops"][name]["median"] for r in results]
+        totals = [r["loops"][name]["total"] for r in results]
+        med, lo, hi = median_ci(medians)
+        goal = ("control: expect 1" if name == "plain again"
+                else f"goal >= {GOAL}: {verdict(lo, med)}")
+        print(f"{name:>13}: median over runs {med:.4f} (95% CI over runs {lo:.4f}-{hi:.4f}, "
+              f"range {min(medians):.4f}-{max(medians):.4f}), mean total-time ratio "
+              f"{statistics.mean(totals):.4f}; {goal}")
+    decisions = sum(r["decisions"] for r in results)
+    print(f"decisions during the timed loops, all runs: {decisions}; guard alone "
+          f"{statistics.median(r['guard_alone_us'] for r in results):.1f} us per step "
+          f"(median over runs)")
+    return 0
+
+
+def measure(args: argparse.Namespace) -> None:
+    """One run: interleave the four loops, print (or --json) the figures."""
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here; nothing measured")
@@ -262,9 +324,12 @@ def main() -> None:
     plain_ms = statistics.median(blocks["plain"]) / args.block_steps * 1000
     where = f"{torch.cuda.get_device_name()}, fp32" if cuda else \
         f"{torch.get_num_threads()} torch thread,"
-    print(f"machine: {where} matmul n={n}, plain step median "
-          f"{plain_ms:.2f} ms; {args.blocks} blocks x {args.block_steps} rounds, one step of "
-          f"each loop per round in random order")
+    machine = f"{where} matmul n={n}"
+    say = (lambda *a, **k: None) if args.json else print
+    say(f"machine: {machine}, plain step median "
+        f"{plain_ms:.2f} ms; {args.blocks} blocks x {args.block_steps} rounds, one step of "
+        f"each loop per round in random order")
+    figures: dict[str, dict[str, float]] = {}
     # the control first (plain vs plain again), then each guarded loop against both plain ones
     base = {"plain again": blocks["plain"]}
     both = [(a + b) / 2 for a, b in zip(blocks["plain"], blocks["plain again"])]
@@ -282,13 +347,19 @@ def main() -> None:
                 "CI assumes, rerun before quoting it")
         else:
             against, goal = "both plain", f"goal >= {GOAL}: {verdict(lo, med)}"
-        print(f"{name:>13}: throughput ratio vs {against} {med:.4f} (95% CI {lo:.4f}-{hi:.4f}), "
-              f"total-time ratio {total:.4f} ({extra_us:+.1f} us/step); {goal}")
-    print(f"decisions during the timed loops: {len(decisions)} "
-          f"({', '.join(sorted({d.action.value for d in decisions})) or 'none'})")
+        figures[name] = {"median": med, "lo": lo, "hi": hi, "total": total,
+                         "extra_us": extra_us}
+        say(f"{name:>13}: throughput ratio vs {against} {med:.4f} (95% CI {lo:.4f}-{hi:.4f}), "
+            f"total-time ratio {total:.4f} ({extra_us:+.1f} us/step); {goal}")
+    say(f"decisions during the timed loops: {len(decisions)} "
+        f"({', '.join(sorted({d.action.value for d in decisions})) or 'none'})")
     cost = guard_cost_us(new_guard())
-    print(f"guard alone: {cost:.1f} us per step (timer + probe + gate, no work), "
-          f"{cost / (plain_ms * 1000):.4%} of a {plain_ms:.1f} ms step")
+    say(f"guard alone: {cost:.1f} us per step (timer + probe + gate, no work), "
+        f"{cost / (plain_ms * 1000):.4%} of a {plain_ms:.1f} ms step")
+    if args.json:
+        print(json.dumps({"seed": args.seed, "machine": machine, "plain_ms": plain_ms,
+                          "loops": figures, "decisions": len(decisions),
+                          "guard_alone_us": cost}))
 
 
 if __name__ == "__main__":
