@@ -207,7 +207,7 @@ class StepTimer:
         step's first batch (after :attr:`before_step`: the :meth:`begin_step` restart, with
         the record's ``step`` set to ``BEGUN_BY_LOADER``) and ends the ``data`` phase where
         each batch arrives. On the host it writes both stamps inline in its own bookkeeping,
-        with the clock reads it makes anyway: two cold-cache calls fewer per step; on CUDA
+        with the clock reads it makes anyway; on CUDA
         it calls :meth:`begin_step` and :meth:`mark` (events on the stream)."""
         return self._cuda or clock is self._clock
 
