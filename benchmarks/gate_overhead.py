@@ -168,27 +168,17 @@ def plain_step(work: Work, batches) -> float:
     return time.perf_counter() - t0
 
 
-def guarded_step(work: Work, batches, guard: StepGuard, step: int) -> float:
+def guarded_step(work: Work, batches, guard: StepGuard, step: int,
+                 attached: bool = False) -> float:
+    """A step with the guard's calls. ``attached``: the GuardedDataLoader is attached
+    (StepGuard.attach_loader), so it opens the step and ends its data phase, as the shared
+    train loop runs it: no begin_step, no mark("data")."""
     t0 = time.perf_counter()
-    guard.begin_step(step)
+    if not attached:
+        guard.begin_step(step)
     batch = next(batches)
-    guard.mark("data")
-    y = work.forward(batch)
-    guard.mark("forward")
-    work.backward(y)
-    guard.mark("backward")
-    work.optimizer()
-    guard.mark("optimizer")
-    guard.end_step(step)
-    work.sync()
-    return time.perf_counter() - t0
-
-
-def attached_step(work: Work, batches, guard: StepGuard, step: int) -> float:
-    """A guarded step whose GuardedDataLoader is attached (StepGuard.attach_loader): the
-    loader opens the step and ends its data phase, as the shared train loop runs it."""
-    t0 = time.perf_counter()
-    batch = next(batches)
+    if not attached:
+        guard.mark("data")
     y = work.forward(batch)
     guard.mark("forward")
     work.backward(y)
@@ -301,8 +291,7 @@ def measure(args: argparse.Namespace) -> None:
         "plain": lambda s: plain_step(work, batches[0]),
         "plain again": lambda s: plain_step(work, batches[1]),
         "guard": lambda s: guarded_step(work, batches[2], guards[0], s),
-        "guard+loader": (lambda s: attached_step(work, batches[3], guards[1], s)) if attached
-        else (lambda s: guarded_step(work, batches[3], guards[1], s)),
+        "guard+loader": lambda s: guarded_step(work, batches[3], guards[1], s, attached),
     }
     names = list(loops)
     rng = random.Random(args.seed)

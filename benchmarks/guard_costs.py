@@ -120,13 +120,18 @@ def main() -> None:
             put("plain", "empty", t3 - t2)
             put("plain", "step", t2 - t0)
 
-    def guarded(step: int, timed: bool) -> None:
+    def guarded(name: str, guard: StepGuard, step: int, timed: bool) -> None:
+        """One step of ``name``'s loop; with an attached loader (guard+loader) the loader
+        opens the step and ends its data phase: no begin_step, no mark("data")."""
+        attached = guard.loader_attached
         t0 = clock()
-        guard.begin_step(step)
+        if not attached:
+            guard.begin_step(step)
         t1 = clock()
-        batch = next(sources["guard"])
+        batch = next(sources[name])
         t2 = clock()
-        guard.mark("data")
+        if not attached:
+            guard.mark("data")
         t3 = clock()
         y = work.forward(batch)
         t4 = clock()
@@ -143,36 +148,15 @@ def main() -> None:
         guard.end_step(step)
         t10 = clock()
         if timed:
-            put("guard", "begin_step", t1 - t0)
-            put("guard", "fetch", t2 - t1)
-            put("guard", "mark data", t3 - t2)
-            put("guard", "3 marks", (t5 - t4) + (t7 - t6) + (t9 - t8))
-            put("guard", "end_step", t10 - t9)
+            if not attached:
+                put(name, "begin_step", t1 - t0)
+                put(name, "mark data", t3 - t2)
+            put(name, "fetch", t2 - t1)
+            put(name, "3 marks", (t5 - t4) + (t7 - t6) + (t9 - t8))
+            put(name, "end_step", t10 - t9)
 
-    def with_loader(step: int, timed: bool) -> None:
-        t1 = clock()
-        batch = next(sources["guard+loader"])
-        t2 = clock()
-        y = work.forward(batch)
-        t4 = clock()
-        attached.mark("forward")
-        t5 = clock()
-        work.backward(y)
-        t6 = clock()
-        attached.mark("backward")
-        t7 = clock()
-        work.optimizer()
-        t8 = clock()
-        attached.mark("optimizer")
-        t9 = clock()
-        attached.end_step(step)
-        t10 = clock()
-        if timed:
-            put("guard+loader", "fetch", t2 - t1)
-            put("guard+loader", "3 marks", (t5 - t4) + (t7 - t6) + (t9 - t8))
-            put("guard+loader", "end_step", t10 - t9)
-
-    loops = [plain, guarded, with_loader]
+    loops = [plain, lambda step, timed: guarded("guard", guard, step, timed),
+             lambda step, timed: guarded("guard+loader", attached, step, timed)]
     rng = random.Random(args.seed)
     warm = 100
     for step in range(warm + args.steps):

@@ -92,9 +92,9 @@ def main() -> None:
     config = GuardConfig()
     host = host_memory()[0]
     dataset = DecodedImages(10**6, args.sample_ms / 1000)
-    common = dict(world_rank=0, world_size=1, config=config, gpus_per_node=args.gpus_per_node,
-                  host_memory_bytes=host, watch_worker_memory=False, seed=0,
-                  device=args.device if cuda else None)
+    common = {"world_rank": 0, "world_size": 1, "config": config,
+              "gpus_per_node": args.gpus_per_node, "host_memory_bytes": host,
+              "watch_worker_memory": False, "seed": 0, "device": args.device if cuda else None}
     loaders = {
         "torch default (num_workers=0)": GuardedDataLoader(dataset, args.batch_size,
                                                            num_workers=0, **common),
