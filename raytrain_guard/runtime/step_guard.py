@@ -232,20 +232,13 @@ class StepGuard:
         decisions, self._late = self._late, []
         buffer, self._buffer = self._buffer, []
         built, self._built = self._built, []
-        kept, observe, stats_of = self._stats, self._gate.observe, self.timer.stats_of
-        rank, num_built = self.world_rank, len(built)
+        kept, observe = self._stats, self._gate.observe
         for i, (record, frac) in enumerate(buffer):
-            if i < num_built:
+            if i < len(built):
                 stats = built[i]                 # drained already: not kept again
             else:
-                try:                             # _stats_of, inline
-                    stats = stats_of(record, frac)
-                except Exception:  # noqa: BLE001
-                    self._failed_once("timer")
-                    stats = None
-                else:
-                    if stats.world_rank != rank:
-                        stats = dataclasses.replace(stats, world_rank=rank)
+                stats = self._stats_of(record, frac)
+                if stats is not None:
                     kept.append(stats)
             if stats is None:            # no timings: the memory rules alone (what _observe does)
                 found = self._observe(None, record.step, frac)
@@ -345,9 +338,9 @@ class StepGuard:
         on. The loop then calls neither :meth:`begin_step` nor ``mark("data")``: two lines
         fewer in the loop, and the data phase ends exactly where the batch arrives. (It saves
         no time: on a cold-cache CPU loop the loader's inline stamps cost about what the two
-        calls did, docs/benchmarks.md.) Calling them anyway stays correct: a step begun by the loop is not restarted by the loader, and a
-        second ``data`` mark adds the few microseconds since the loader's. Returns whether the
-        loader took it: not with a fault injector (whose ``data`` delays run in
+        calls did, docs/benchmarks.md.) Calling them anyway stays correct: a step begun by the
+        loop is not restarted by the loader, and a second ``data`` mark adds the few
+        microseconds since the loader's. Returns whether the loader took it: not with a fault injector (whose ``data`` delays run in
         :meth:`mark`), nor with a host timer on another clock than the loader's (tests' fake
         clocks); then nothing changes and the loop marks as before."""
         if self.fault_injector is not None:

@@ -207,8 +207,8 @@ class StepTimer:
         step's first batch (after :attr:`before_step`: the :meth:`begin_step` restart, with
         the record's ``step`` set to ``BEGUN_BY_LOADER``) and ends the ``data`` phase where
         each batch arrives. On the host it writes both stamps inline in its own bookkeeping,
-        with the clock reads it makes anyway; on CUDA
-        it calls :meth:`begin_step` and :meth:`mark` (events on the stream)."""
+        with the clock reads it makes anyway; on CUDA it calls :meth:`begin_step` and
+        :meth:`mark` (events on the stream)."""
         return self._cuda or clock is self._clock
 
     @property
@@ -229,27 +229,8 @@ class StepTimer:
         return record, end - record.marks[0][1]
 
     def stats_of(self, record: _StepRecord, memory_frac: float | None) -> StepStats:
-        """The StepStats of a record that :meth:`close_step` returned (host stamps: what
-        :meth:`_stats` sums, in one frame: StepGuard builds a batch of these on cold caches)."""
-        marks = record.marks
-        start = prev = marks[0][1]
-        data_s = forward_s = backward_s = optimizer_s = 0.0
-        for slot, stamp in marks:
-            if slot == 1:
-                forward_s += stamp - prev
-            elif slot == 2:
-                backward_s += stamp - prev
-            elif slot == 0:
-                data_s += stamp - prev
-            elif slot == 3:
-                optimizer_s += stamp - prev
-            prev = stamp
-        comm_wait_s = 0.0
-        if record.last_ready is not None and record.done:
-            comm_wait_s = max(0.0, max(record.done) - record.last_ready)
-            backward_s = max(0.0, backward_s - comm_wait_s)
-        return StepStats(record.step, prev - start, data_s, forward_s, backward_s, comm_wait_s,
-                         optimizer_s, memory_frac, self.world_rank)
+        """The StepStats of a record that :meth:`close_step` returned."""
+        return self._stats(record, None, memory_frac)
 
     # -- called by the communication hook (autograd and communication threads) ---------------
     def record_bucket_ready(self, is_last: bool) -> None:
