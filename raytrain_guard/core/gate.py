@@ -82,12 +82,6 @@ class StepGate:
         self._pacing = False
         self._next_id = 1
         self._rearm_below = config.memory_watermark_frac - config.memory_hysteresis_frac
-        # the timing rule's settings, read once per step by observe
-        self._warmup_steps = config.slow_step_warmup_steps
-        self._slow_factor = config.slow_step_factor
-        self._slow_abs_s = config.slow_step_abs_s
-        self._num_slow = config.num_slow_steps
-        self._window_len = config.step_window
 
     # -- public ------------------------------------------------------------------------------
     def observe(self, stats: StepStats) -> list[Decision]:
@@ -104,30 +98,30 @@ class StepGate:
         # slow_step_factor x the window's median (no relative rule below three steps).
         # StepGuard feeds the gate a batch of steps at once on cold caches, where each
         # Python call counts
+        cfg = self.config
         self._num_seen += 1
-        if self._num_seen <= self._warmup_steps:
+        if self._num_seen <= cfg.slow_step_warmup_steps:
             return decisions
         totals = self._sorted_totals
         n = len(totals)
+        threshold_s = cfg.slow_step_abs_s
         if n >= _MIN_MEDIAN_POINTS:
             mid = n // 2
-            threshold_s = self._slow_factor * (totals[mid] if n % 2
-                                               else (totals[mid - 1] + totals[mid]) / 2)
-            if self._slow_abs_s is not None and self._slow_abs_s < threshold_s:
-                threshold_s = self._slow_abs_s
-        else:
-            threshold_s = self._slow_abs_s
+            relative_s = cfg.slow_step_factor * (totals[mid] if n % 2
+                                                 else (totals[mid - 1] + totals[mid]) / 2)
+            if threshold_s is None or relative_s < threshold_s:
+                threshold_s = relative_s
         total_s = stats.total_s
         if threshold_s is not None and total_s > threshold_s:
             self._run.append(stats)
-            if len(self._run) >= self._num_slow and not self._run_reported:
+            if len(self._run) >= cfg.num_slow_steps and not self._run_reported:
                 self._run_reported = True
                 decisions.append(self._slow_step_decision(stats, threshold_s))
         elif self._run:
             self._run.clear()
             self._run_reported = False
         window = self._window                   # into the window, its totals kept sorted
-        if len(window) == self._window_len:
+        if len(window) == window.maxlen:
             del totals[bisect.bisect_left(totals, window[0].total_s)]
         window.append(stats)
         bisect.insort(totals, total_s)
