@@ -35,14 +35,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from examples import models  # noqa: E402
-from raytrain_guard.core.memory_model import TrainingSetup, estimate  # noqa: E402
-from raytrain_guard.runtime.model import wrap_model, wrap_optimizer  # noqa: E402
-from raytrain_guard.trace import skip_frozen_grad_hooks, trace_model  # noqa: E402
+from examples import models
+from raytrain_guard.core.memory_model import TrainingSetup, estimate
+from raytrain_guard.runtime.model import wrap_model, wrap_optimizer
+from raytrain_guard.trace import skip_frozen_grad_hooks, trace_model
 
 STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full")
 

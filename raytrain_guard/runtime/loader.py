@@ -170,7 +170,7 @@ class GuardedDataLoader:
         self._num_batches = 0
         self._num_checked = 0
         self._replans = 0
-        self._step_timer: Any = None    # a host StepTimer this loader stamps (time_steps)
+        self._step_timer: Any = None    # the StepTimer whose steps this loader opens
         self._watcher: WorkerMemoryWatcher | None = None
         if watch_worker_memory:
             ref = weakref.ref(self)

@@ -340,9 +340,10 @@ class StepGuard:
         no time: on a cold-cache CPU loop the loader's inline stamps cost about what the two
         calls did, docs/benchmarks.md.) Calling them anyway stays correct: a step begun by the
         loop is not restarted by the loader, and a second ``data`` mark adds the few
-        microseconds since the loader's. Returns whether the loader took it: not with a fault injector (whose ``data`` delays run in
-        :meth:`mark`), nor with a host timer on another clock than the loader's (tests' fake
-        clocks); then nothing changes and the loop marks as before."""
+        microseconds since the loader's. Returns whether the loader took it: not with a fault
+        injector (whose ``data`` delays run in :meth:`mark`), nor with a host timer on another
+        clock than the loader's (tests' fake clocks); then nothing changes and the loop marks
+        as before."""
         if self.fault_injector is not None:
             return False
         self.timer.before_step = None

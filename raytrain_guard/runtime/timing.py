@@ -41,14 +41,14 @@ logger = logging.getLogger(__name__)
 PHASE_FIELDS = {"data": "data_wait_s", "data_wait": "data_wait_s", "forward": "forward_s",
                 "backward": "backward_s", "optimizer": "optimizer_s"}
 _SLOT = {"data": 0, "data_wait": 0, "forward": 1, "backward": 2, "optimizer": 3}
-_UNTIMED = -1
+#: the slot of a stamp that ends no phase (a step's start, its end)
+UNTIMED = -1
 #: ``_StepRecord.step`` of a record nobody began yet (opened where the previous step ended),
 #: and of one a GuardedDataLoader began (see :meth:`StepTimer.loader_stamps`)
 NOT_BEGUN = -1
 BEGUN_BY_LOADER = -2
-#: the slot of a ``data`` mark, and of a stamp that ends no phase (a step's start)
+#: the slot of a ``data`` mark
 DATA_SLOT = _SLOT["data"]
-UNTIMED = _UNTIMED
 
 
 class _StepRecord:
@@ -58,7 +58,7 @@ class _StepRecord:
 
     def __init__(self, start: Any, lender: "_StepRecord | None" = None) -> None:
         self.step = NOT_BEGUN
-        self.marks: list[tuple[int, Any]] = [(_UNTIMED, start)]  # (slot of phase ended, stamp)
+        self.marks: list[tuple[int, Any]] = [(UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
         # CUDA event pooling: a step that starts where the previous one ended shares that
@@ -150,7 +150,7 @@ class StepTimer:
         if self._events is not None:
             self._events.discard(record)
         elif len(record.marks) == 1 and record.last_ready is None and not record.done:
-            record.marks[0] = (_UNTIMED, self._stamp())    # untouched since it was opened:
+            record.marks[0] = (UNTIMED, self._stamp())    # untouched since it was opened:
             record.step = step                             # restart it, one allocation less
             return
         self._record = _StepRecord(self._stamp())
@@ -170,7 +170,7 @@ class StepTimer:
         slot = _SLOT.get(phase)
         if slot is None:
             raise _unknown_phase(phase)
-        self._record.marks.append((_UNTIMED, self._stamp()))
+        self._record.marks.append((UNTIMED, self._stamp()))
         try:
             yield
         finally:
@@ -182,7 +182,7 @@ class StepTimer:
         end = self._stamp()
         record = self._record
         record.step = step
-        record.marks.append((_UNTIMED, end))
+        record.marks.append((UNTIMED, end))
         self._record = _StepRecord(end, record if self._cuda else None)
         if not self._cuda:
             return self._stats(record, None, memory_frac)
@@ -224,7 +224,7 @@ class StepTimer:
         end = self._clock()
         record = self._record
         record.step = step
-        record.marks.append((_UNTIMED, end))
+        record.marks.append((UNTIMED, end))
         self._record = _StepRecord(end)
         return record, end - record.marks[0][1]
 

@@ -33,8 +33,9 @@ list[Decision]``) is called on every rank at every step boundary; each decision 
 applied at exactly that step (a decision carrying a later ``step`` waits for it). ``stats``
 are the StepStats of the steps since the last read, oldest first: read every
 ``guard.report_every_steps`` steps and at the boundaries that may stop or checkpoint
-(:meth:`GuardedTrainLoop._stats_due`), ``[]`` in between, so that the step guard's fast path
-still feeds its gate in batches (a read flushes it). A source with ``bind_setup(fn)`` is
+(:meth:`GuardedTrainLoop._stats_due`), ``[]`` in between (a read builds the StepStats of the
+steps waiting in the step guard's fast path but leaves them waiting: its gate is still fed in
+batches). A source with ``bind_setup(fn)`` is
 handed ``fn() -> {"micro_batch", "grad_accum", "prefetch_factor"}``, the batch layout this rank
 runs with now, which the coordinator's shrink rule needs.
 
@@ -654,9 +655,8 @@ class GuardedTrainLoop:
             raise
         old.close()                    # its live iterator ends; _micro_batches reads the new one
         self.loader = new
-        guard = getattr(self, "guard", None)
-        if guard is not None and guard.loader_attached:
-            guard.attach_loader(new)   # the same timer: the same step stamps, from the new one
+        if self.guard.loader_attached:     # the same timer, stamped by the new loader
+            self.guard.attach_loader(new)
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         steps_per_epoch = len(new) // grad_accum
         if steps_per_epoch != self.steps_per_epoch:
