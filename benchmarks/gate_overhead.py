@@ -9,13 +9,15 @@ Four loops over the same work (a matmul "forward", a matmul "backward", an in-pl
 * ``plain``: a torch DataLoader (num_workers 0, shuffled) and the work, nothing else;
 * ``plain again``: a second, identical plain loop (its own DataLoader): the A/A control, whose
   ratio to ``plain`` shows the method's own bias and resolution;
-* ``guard``: the plain loop plus a StepGuard per step (begin_step, four phase marks, end_step:
+* ``guard``: the plain loop plus a StepGuard per step (begin_step, the data, forward and
+  backward marks, end_step after the optimizer step, which times it from the backward mark:
   timer + ProcessMemoryProbe + gate, the fast path included);
 * ``guard+loader``: the StepGuard and the GuardedDataLoader (num_workers 0 as well, so the
   comparison is the guard's own bookkeeping, not a different worker count), attached as the
   shared train loop attaches them (``StepGuard.attach_loader``): the loader opens each step
   and ends its data phase, so the loop calls neither ``begin_step`` nor ``mark("data")``
-  (on the host the loader writes both stamps inline; on CUDA it records the timer's events).
+  (on the host the loader writes both stamps inline; on CUDA it records the timer's events):
+  two marks (forward, backward) and end_step per step.
 
 Interleaving is per step: each round runs one step of every loop, in a fresh random order (so
 no loop always follows another: what ran just before a step changes its cost by up to a
@@ -146,14 +148,13 @@ def forever_on(loader, device: str):
 
 
 def guard_cost_us(guard: StepGuard, steps: int = 20000) -> float:
-    """The guard alone (no work): begin, four marks, end per step, in microseconds."""
+    """The guard alone (no work): begin, three marks, end per step, in microseconds."""
     t0 = time.perf_counter()
     for step in range(steps):
         guard.begin_step(step)
         guard.mark("data")
         guard.mark("forward")
         guard.mark("backward")
-        guard.mark("optimizer")
         guard.end_step(step)
     return (time.perf_counter() - t0) / steps * 1e6
 
@@ -172,7 +173,8 @@ def guarded_step(work: Work, batches, guard: StepGuard, step: int,
                  attached: bool = False) -> float:
     """A step with the guard's calls. ``attached``: the GuardedDataLoader is attached
     (StepGuard.attach_loader), so it opens the step and ends its data phase, as the shared
-    train loop runs it: no begin_step, no mark("data")."""
+    train loop runs it: no begin_step, no mark("data"). No optimizer mark in either: the
+    time from the backward mark to end_step is the optimizer phase (StepTimer)."""
     t0 = time.perf_counter()
     if not attached:
         guard.begin_step(step)
@@ -184,7 +186,6 @@ def guarded_step(work: Work, batches, guard: StepGuard, step: int,
     work.backward(y)
     guard.mark("backward")
     work.optimizer()
-    guard.mark("optimizer")
     guard.end_step(step)
     work.sync()
     return time.perf_counter() - t0

@@ -9,9 +9,10 @@ caches and costs 5-10x its warm cost). Three loops, one step of each per round i
 order, the same work as gate_overhead.py:
 
 * ``plain``: a torch DataLoader (num_workers 0, shuffled) and the work;
-* ``guard``: the same plus a StepGuard: begin_step, mark("data"), three marks, end_step;
+* ``guard``: the same plus a StepGuard: begin_step, mark("data"), the forward and backward
+  marks, end_step (after the optimizer step, which it times from the backward mark);
 * ``guard+loader``: a GuardedDataLoader attached to its StepGuard (StepGuard.attach_loader),
-  three marks, end_step.
+  the forward and backward marks, end_step: the shared train loop's calls.
 
 Every guard call and every batch fetch is timed with perf_counter around it; the memory
 probe's reads and the gate batches (StepGuard._flush) are timed inside end_step by wrapping
@@ -142,8 +143,6 @@ def main() -> None:
         guard.mark("backward")
         t7 = clock()
         work.optimizer()
-        t8 = clock()
-        guard.mark("optimizer")
         t9 = clock()
         guard.end_step(step)
         t10 = clock()
@@ -152,7 +151,7 @@ def main() -> None:
                 put(name, "begin_step", t1 - t0)
                 put(name, "mark data", t3 - t2)
             put(name, "fetch", t2 - t1)
-            put(name, "3 marks", (t5 - t4) + (t7 - t6) + (t9 - t8))
+            put(name, "2 marks", (t5 - t4) + (t7 - t6))
             put(name, "end_step", t10 - t9)
 
     loops = [plain, lambda step, timed: guarded("guard", guard, step, timed),
@@ -180,7 +179,7 @@ def main() -> None:
         got = parts[name]
         calls = {part: mean_us(v) for part, v in got.items() if part != "fetch"}
         fetch_delta = mean_us(got["fetch"]) - plain_fetch_us
-        num_parts = 6 if name == "guard" else 4   # timed guard regions per step (marks: 3)
+        num_parts = 5 if name == "guard" else 3   # timed guard regions per step (marks: 2)
         total = sum(calls.values()) + fetch_delta - num_parts * floor_us
         probe_us = sum(probe.times) / timed_steps * 1e6
         batch_us = sum(batches) / timed_steps * 1e6

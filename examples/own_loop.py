@@ -61,9 +61,8 @@ def train_func(config: dict) -> None:
             guard.mark("forward")                                                    # guard
             loss.backward()
             guard.mark("backward")                                                   # guard
-            optimizer.step()
+            optimizer.step()             # the guard times it: backward mark to end_step
             optimizer.zero_grad()
-            guard.mark("optimizer")                                                  # guard
             for decision in guard.end_step(step):                                    # guard
                 if decision.action is Action.CHECKPOINT_AND_STOP:                    # guard
                     print(f"rank {ctx.get_world_rank()}: {decision}")  # checkpoint + stop here

@@ -251,3 +251,63 @@ def test_close_step_and_stats_of_sum_like_finish_step():
     assert got[1].comm_wait_s == pytest.approx(0.15) and got[1].backward_s == pytest.approx(0.27)
     assert got[1].data_wait_s == pytest.approx(0.15) and got[1].total_s == pytest.approx(0.9)
     assert got[1].world_rank == 2
+
+
+# The optimizer phase needs no mark: a step whose last mark is backward counts the time from
+# it to the step's end as optimizer. Stamps: begin 1.0, then the marks' stamps, finish 1.75.
+@pytest.mark.parametrize("marks, stamps, expected", [
+    # data 0.1, forward 0.2, backward 0.3, the rest (1.75 - 1.6) optimizer
+    (["data", "forward", "backward"], [1.1, 1.3, 1.6], (0.1, 0.2, 0.3, 0.15)),
+    # an optimizer mark: its own 0.1; the 0.05 after it is untimed
+    (["data", "forward", "backward", "optimizer"], [1.1, 1.3, 1.6, 1.7], (0.1, 0.2, 0.3, 0.1)),
+    # last mark forward: the rest (0.45) is of no phase
+    (["data", "forward"], [1.1, 1.3], (0.1, 0.2, 0.0, 0.0)),
+    # two micro-batches: backward 0.2 + 0.1; the rest after the last backward 1.75 - 1.6
+    (["data", "forward", "backward", "data", "forward", "backward"],
+     [1.05, 1.1, 1.3, 1.35, 1.5, 1.6], (0.1, 0.2, 0.3, 0.15)),
+    # no mark at all: nothing timed
+    ([], [], (0.0, 0.0, 0.0, 0.0)),
+])
+@pytest.mark.parametrize("path", ["finish_step", "close_step"])
+def test_the_rest_after_the_last_backward_mark_is_the_optimizer(marks, stamps, expected, path):
+    clock = TickClock(0.0, 1.0, *stamps, 1.75)
+    timer = StepTimer(clock=clock)
+    timer.begin_step(3)
+    for phase in marks:
+        timer.mark(phase)
+    if path == "finish_step":
+        stats = timer.finish_step(3)
+    else:
+        record, total_s = timer.close_step(3)
+        assert total_s == pytest.approx(0.75)
+        stats = timer.stats_of(record, None)
+    got = (stats.data_wait_s, stats.forward_s, stats.backward_s, stats.optimizer_s)
+    assert got == pytest.approx(expected)
+    assert stats.total_s == pytest.approx(0.75)
+
+
+class FakeEvent:
+    """A CUDA event's timing API over a number of milliseconds."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return end.ms - self.ms
+
+    def query(self) -> bool:
+        return True
+
+
+def test_event_stamps_give_the_optimizer_the_rest_after_backward_too():
+    # CUDA stamps (events, read with elapsed_time in ms): start 0, data 10, forward 30,
+    # backward 60, end 75 -> optimizer 15 ms from the last backward mark to the end
+    from raytrain_guard.runtime.timing import UNTIMED, _elapsed_s, _StepRecord
+
+    record = _StepRecord(FakeEvent(0.0))
+    record.marks += [(0, FakeEvent(10.0)), (1, FakeEvent(30.0)), (2, FakeEvent(60.0)),
+                     (UNTIMED, FakeEvent(75.0))]
+    stats = StepTimer()._stats(record, _elapsed_s, None)
+    got = (stats.total_s, stats.data_wait_s, stats.forward_s, stats.backward_s,
+           stats.optimizer_s)
+    assert got == pytest.approx((0.075, 0.010, 0.020, 0.030, 0.015))

@@ -8,12 +8,13 @@ Use in a training loop::
     for step, batch in enumerate(loader):           # and times its data phase
         loss = model(batch).sum(); guard.mark("forward")
         loss.backward();           guard.mark("backward")
-        opt.step();                guard.mark("optimizer")
+        opt.step()                 # from the backward mark to end_step: the optimizer
         for decision in guard.end_step(step):
             if decision.action is Action.CHECKPOINT_AND_STOP: ...   # the loop's to act on
 
 With another loader, or none attached: ``guard.begin_step(step)`` before fetching the step's
-batch and ``guard.mark("data")`` once it is there.
+batch and ``guard.mark("data")`` once it is there. A loop with more work after its optimizer
+step marks ``guard.mark("optimizer")`` where the update ends (the rest stays untimed).
 
 Per step: a few clock reads, one probe read (allocator counters or one ``/proc`` read), the
 pure gate. No RPC, no NVML, no device synchronization. The guard fails open: a probe or gate

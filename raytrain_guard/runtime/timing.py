@@ -7,6 +7,10 @@ Definitions (seconds, per rank and step):
 * a phase (``data``, ``forward``, ``backward``, ``optimizer``): the time between the previous
   mark and :meth:`StepTimer.mark` of that phase (a lap timer), or the body of
   ``with timer.phase(name)``. Repeated marks of one phase in a step add up (micro-batches).
+* ``optimizer`` needs no mark of its own: a step whose last mark is ``backward`` counts the
+  time from it to the step's end as ``optimizer`` (what follows the backward pass of a
+  training step is the optimizer's update). A loop that marks ``optimizer`` leaves whatever
+  follows that mark untimed (part of ``total_s``, of no phase), as after any other last mark.
 * ``comm_wait_s``: what the step waited on the network after its backward compute, i.e. the
   completion of the last bucket's allreduce future minus the moment the last bucket became
   ready (DDP's ``bucket.is_last()``: the end of the backward compute), 0 when that completion
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 PHASE_FIELDS = {"data": "data_wait_s", "data_wait": "data_wait_s", "forward": "forward_s",
                 "backward": "backward_s", "optimizer": "optimizer_s"}
 _SLOT = {"data": 0, "data_wait": 0, "forward": 1, "backward": 2, "optimizer": 3}
+_BACKWARD, _OPTIMIZER = _SLOT["backward"], _SLOT["optimizer"]
 #: the slot of a stamp that ends no phase (a step's start, its end)
 UNTIMED = -1
 #: ``_StepRecord.step`` of a record nobody began yet (opened where the previous step ended),
@@ -259,6 +264,10 @@ class StepTimer:
                 sums[slot] += stamp - prev if elapsed is None else elapsed(prev, stamp)
             prev = stamp
         total_s = prev - marks[0][1] if elapsed is None else elapsed(marks[0][1], prev)
+        if len(marks) > 2 and marks[-2][0] == _BACKWARD and marks[-1][0] == UNTIMED:
+            # no optimizer mark after the last backward one: the rest is the optimizer's
+            start = marks[-2][1]
+            sums[_OPTIMIZER] += prev - start if elapsed is None else elapsed(start, prev)
         comm_wait_s = 0.0
         if record.last_ready is not None and record.done:
             if elapsed is None:

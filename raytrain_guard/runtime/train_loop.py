@@ -463,7 +463,7 @@ class GuardedTrainLoop:
                 guard.mark("backward")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            guard.mark("optimizer")
+            # no optimizer mark: from the last backward mark to end_step is the optimizer's
             self._last_loss = step_loss
             self.step = step + 1
             decisions = guard.end_step(step)
