@@ -21,6 +21,7 @@ from raytrain_guard.runtime.probes import (
     ScriptedProbe,
 )
 from raytrain_guard.runtime.step_guard import StepGuard, release_cache
+from raytrain_guard.runtime.timing import StepTimer
 from raytrain_guard.units import MiB
 
 
@@ -259,3 +260,25 @@ def test_set_pace_is_public_and_checked():
     assert slept == [0.02]
     with pytest.raises(InputError, match="delay_s"):
         guard.set_pace(-1)
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_injected_optimizer_delay_runs_whether_or_not_the_loop_marks_optimizer(marked):
+    # A fake clock that a sleep advances: forward and backward take 1 s each, the injected
+    # optimizer delay 0.5 s at step 1 only. The train loop marks no optimizer phase (the
+    # rest after backward is the optimizer's): the delay must run there too, once.
+    now = [0.0]
+    inj = FaultInjector(sleep=lambda s: now.__setitem__(0, now[0] + s))
+    inj.delay(0.5, phase="optimizer", steps={1})
+    guard = StepGuard(GuardConfig(), fault_injector=inj,
+                      timer=StepTimer(clock=lambda: now[0]))
+    for step in range(3):
+        guard.begin_step(step)
+        for phase in ("forward", "backward"):
+            now[0] += 1.0
+            guard.mark(phase)
+        if marked:
+            guard.mark("optimizer")
+        guard.end_step(step)
+    assert inj.num_delays == 1
+    assert [s.optimizer_s for s in guard.drain_stats()] == [0.0, 0.5, 0.0]

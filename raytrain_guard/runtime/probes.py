@@ -222,7 +222,9 @@ class FaultInjector:
 
     ``StepGuard(fault_injector=...)`` calls :meth:`on_mark` before each phase mark, so an
     injected delay is counted as that phase (``"forward"``: a compute straggler, ``"data"``: a
-    slow loader). ``sleep`` is injectable for tests.
+    slow loader), and for ``"optimizer"`` at ``end_step`` when the loop leaves that phase
+    unmarked (StepTimer counts the rest after the backward mark as the optimizer's).
+    ``sleep`` is injectable for tests.
     """
 
     def __init__(self, *, world_rank: int = 0, sleep: Callable[[float], None] = time.sleep) -> None:

@@ -151,7 +151,11 @@ class StepGuard:
     def end_step(self, step: int) -> list[Decision]:
         """Finish ``step``: read the probe, time the step, feed the gate, apply local actions
         (RELEASE_CACHE, PACE) and return every decision. CHECKPOINT_AND_STOP and SLOW_STEP
-        are the caller's. On CUDA the timings belong to an earlier step (see StepTimer)."""
+        are the caller's. On CUDA the timings belong to an earlier step (see StepTimer).
+        With a fault injector, its ``optimizer`` delays run here when the loop did not mark
+        ``optimizer`` (the time since the backward mark is the optimizer's)."""
+        if self.fault_injector is not None:
+            self._inject_unmarked_optimizer(step)
         frac = None
         if self._reuse_left > 0:
             self._reuse_left -= 1
@@ -199,6 +203,10 @@ class StepGuard:
             self._apply(decision)
         self._step = step + 1
         return decisions
+
+    def _inject_unmarked_optimizer(self, step: int) -> None:
+        if getattr(self.timer, "pending_phase", None) == "optimizer":
+            self.fault_injector.on_mark(step, "optimizer")
 
     def _over_bound(self, num_buffered: int, frac: float | None) -> list[Decision]:
         """A step over the quiet time bound was buffered: it waits unless it could complete a

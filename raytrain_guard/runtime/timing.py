@@ -217,6 +217,13 @@ class StepTimer:
         return self._cuda or clock is self._clock
 
     @property
+    def pending_phase(self) -> str | None:
+        """The phase the time from the current step's last mark to its close will count as:
+        ``"optimizer"`` after a backward mark (see the module doc), else None (untimed)."""
+        marks = self._record.marks
+        return "optimizer" if len(marks) > 1 and marks[-1][0] == _BACKWARD else None
+
+    @property
     def on_host(self) -> bool:
         """Whether stamps are host-clock floats, so :meth:`close_step` may be used."""
         return not self._cuda
