@@ -292,7 +292,7 @@ class FakeEvent:
     def __init__(self, ms: float) -> None:
         self.ms = ms
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         return end.ms - self.ms
 
     def query(self) -> bool:
