@@ -173,6 +173,11 @@ def test_stats_are_read_every_report_period_and_none_is_lost(tmp_path):
     # the gate saw every step (the end-of-run attribution reads its window)
     assert loop.guard.state_dict()["gate"]["num_seen"] == TOTAL
     assert loop.guard.gate.window[-1].step == TOTAL - 1
+    # the loop marks forward and backward only: the optimizer phase is timed from the backward
+    # mark to end_step, and the phases fit in the step
+    for s in loop.guard.gate.window:
+        assert s.forward_s > 0 and s.backward_s > 0 and s.optimizer_s > 0
+        assert s.data_wait_s + s.compute_s + s.comm_wait_s <= s.total_s
 
 
 @pytest.mark.parametrize("script,handed_last", [
