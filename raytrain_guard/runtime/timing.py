@@ -220,8 +220,7 @@ class StepTimer:
     def pending_phase(self) -> str | None:
         """The phase the time from the current step's last mark to its close will count as:
         ``"optimizer"`` after a backward mark (see the module doc), else None (untimed)."""
-        marks = self._record.marks
-        return "optimizer" if len(marks) > 1 and marks[-1][0] == _BACKWARD else None
+        return "optimizer" if self._record.marks[-1][0] == _BACKWARD else None
 
     @property
     def on_host(self) -> bool:
@@ -271,8 +270,10 @@ class StepTimer:
                 sums[slot] += stamp - prev if elapsed is None else elapsed(prev, stamp)
             prev = stamp
         total_s = prev - marks[0][1] if elapsed is None else elapsed(marks[0][1], prev)
-        if len(marks) > 2 and marks[-2][0] == _BACKWARD and marks[-1][0] == UNTIMED:
-            # no optimizer mark after the last backward one: the rest is the optimizer's
+        if marks[-2][0] == _BACKWARD:
+            # the last mark before the step's end is backward (no optimizer mark after it):
+            # the rest is the optimizer's. A closed record ends with its (UNTIMED, end) stamp
+            # and starts with an UNTIMED one, so marks[-2] always exists
             start = marks[-2][1]
             sums[_OPTIMIZER] += prev - start if elapsed is None else elapsed(start, prev)
         comm_wait_s = 0.0
