@@ -254,7 +254,10 @@ def test_memory_watermark_then_critical_stops_all_ranks(fsdp_memory):
     mine = [(d["action"], d["applied_at"]) for d in results["decisions"] if d["world_rank"] == 1]
     assert ("release_cache", 3) in mine, results["decisions"]
     assert ("checkpoint_and_stop", 5) in mine, results["decisions"]
-    causes = {d["cause"] for d in results["decisions"] if d["world_rank"] == 1}
+    # the memory decisions name host memory (a slow-step detection a stalled 2-core box may add
+    # has its own cause and is not what this test pins)
+    causes = {d["cause"] for d in results["decisions"]
+              if d["world_rank"] == 1 and d["action"] != "slow_step"}
     assert causes == {"host_memory"}
     # one agreement: both ranks stopped after step 5 of 16, and the last checkpoint is there
     assert results["stopped_early"] and results["step"] == 5 and results["total_steps"] == 16
