@@ -110,15 +110,21 @@ class CrashOnceLoss:
 
 
 class RaiseOnRankLoss:
-    """``loss_fn`` that raises on one rank only at its ``at_call``-th call (every attempt)."""
+    """``loss_fn`` that raises on one rank only at its ``at_call``-th call (every attempt).
+    ``stamp_path``: a file where it writes the wall-clock time (``time.time()``) it raised at."""
 
-    def __init__(self, world_rank: int = 1, at_call: int = 2) -> None:
+    def __init__(self, world_rank: int = 1, at_call: int = 2, stamp_path: str | None = None
+                 ) -> None:
         self.world_rank = world_rank
         self.at_call = at_call
+        self.stamp_path = stamp_path
         self.calls = 0
 
     def __call__(self, model: nn.Module, batch: dict) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.at_call and int(os.environ.get("RANK", "-1")) == self.world_rank:
+            if self.stamp_path is not None:
+                with open(self.stamp_path, "w") as fh:
+                    fh.write(repr(time.time()))
             raise RuntimeError(f"injected failure on rank {self.world_rank} only")
         return loss_fn(model, batch)

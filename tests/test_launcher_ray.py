@@ -40,7 +40,7 @@ from raytrain_guard.config import GuardConfig   # noqa: E402
 
 pytestmark = pytest.mark.ray
 NS = "rtg_test_launcher"
-EPOCHS = 16                 # 256 samples / (8 x 2 ranks) = 16 steps per epoch -> 256 steps
+EPOCHS = 24                 # 256 samples / (8 x 2 ranks) = 16 steps per epoch -> 384 steps
 KILL_AT_STEP = 120
 
 
@@ -83,11 +83,19 @@ def guarded_run(ray_instance, tmp_path_factory):
             time.sleep(0.2)
         return None
 
+    cli_done = threading.Event()
+
     def run_cli() -> None:
-        if wait_for_step(20) is not None:
-            seen["cli"] = _status_cli(ray_instance)
+        try:
+            if wait_for_step(20) is not None:
+                seen["cli"] = _status_cli(ray_instance)
+        finally:
+            cli_done.set()
 
     def kill() -> None:
+        # after the CLI has read the live coordinator (a fresh process that imports ray and
+        # joins the cluster: seconds on a loaded 2-core box), and no earlier than KILL_AT_STEP
+        cli_done.wait(timeout=300)
         found = wait_for_step(KILL_AT_STEP)
         if found is not None:
             handle, seen["killed_at_step"] = found

@@ -160,6 +160,7 @@ def test_background_thread_samples_at_the_interval():
     while len(sent) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     mon.stop()
+    mon._thread.join(timeout=30)     # stop() waits a bounded time; a stalled box may need more
     n = len(sent)
     assert n >= 3 and not mon.info()["sampling"]
     time.sleep(0.15)

@@ -157,8 +157,12 @@ def measure_allreduce_curve(*, sizes_bytes: Sequence[int] | None = None, num_ite
         sizes_bytes = CUDA_SIZES_BYTES if device.type == "cuda" else CPU_SIZES_BYTES
     sizes = sorted({max(4, int(s)) // 4 * 4 for s in sizes_bytes})
 
-    start = clock()
     buffer = torch.zeros(sizes[-1] // 4, dtype=torch.float32, device=device)
+    # the ranks line up first: the time one waits for the others to arrive (their set-up) is
+    # no part of what the measurement costs
+    dist.all_reduce(buffer[:1], group=group)
+    _synchronize(torch, device)
+    start = clock()
     times = []
     for size in sizes:
         message = buffer[: size // 4]
