@@ -42,8 +42,10 @@ class GuardConfig:
         "x batch bytes, plus pinned copies) may occupy. Seed rule: 5 % of host RAM per GPU.",
         0.0, 0.5, lo_open=True)
     cuda_context_bytes: int = _doc(
-        1 * GiB, "Device memory taken by the CUDA context, cuBLAS/cuDNN workspaces and NCCL before any "
-        "tensor exists; part of the runtime reserve. Default 1 GiB: a CUDA 12 context with lazy "
+        1 * GiB, "Device memory outside PyTorch's caching allocator: the CUDA context with its loaded "
+        "kernels and NCCL's communicator buffers; part of the runtime reserve, and what the CUDA "
+        "memory probe adds to the allocator's counters. (cuBLAS and cuDNN take their workspaces "
+        "from the allocator, which counts them.) Default 1 GiB: a CUDA 12 context with lazy "
         "module loading plus NCCL communicators on a Hopper card measures 0.5-1 GiB.", 0)
     fragmentation_frac: float = _doc(
         0.05, "Caching-allocator fragmentation, as a fraction of the tensor peak; part of the runtime "

@@ -255,3 +255,11 @@ def test_machine_ram_default_is_the_container_limit(monkeypatch):
 
     monkeypatch.setattr(host_memory, "read_cgroup_memory", lambda: (2 * 1024**3, 1024**3))
     assert cli._host_memory() == 2 * 1024**3
+
+
+def test_readme_config_table_is_the_dataclass_metadata():
+    # the README's table is generated from GuardConfig's field docs; a default or rule changed
+    # in one place only fails here (regenerate with the command the README gives)
+    from raytrain_guard.cli import config_reference_markdown
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert config_reference_markdown() in readme

@@ -54,10 +54,11 @@ class CudaMemoryProbe:
     card's total memory (``mem_get_info``, read once here). Allocator counters only: no
     synchronization, no NVML.
 
-    The allocator does not see the CUDA context, cuBLAS/cuDNN workspaces or NCCL buffers, which
-    the planner budgets as ``GuardConfig.cuda_context_bytes``; the probe adds ``context_bytes``
-    (default: ``config.cuda_context_bytes``, else ``GuardConfig().cuda_context_bytes``) to both
-    figures so the gate's fractions count what the card really holds.
+    The allocator does not see the CUDA context or NCCL's buffers, which the planner budgets as
+    ``GuardConfig.cuda_context_bytes``; the probe adds ``context_bytes`` (default:
+    ``config.cuda_context_bytes``, else ``GuardConfig().cuda_context_bytes``) to both figures
+    so the gate's fractions count what the card really holds. cuBLAS and cuDNN take their
+    workspaces from the allocator: its counters already hold them.
     """
 
     cause = Cause.DEVICE_MEMORY
