@@ -19,7 +19,11 @@ The optimizer's temporaries are left to the memory model, which computes them fo
 
 Fallback: if the model cannot run under ``FakeTensorMode`` it is built and run on the ``meta``
 device; if that fails too, :class:`~raytrain_guard.errors.TraceError` names the operation that
-failed (the last aten op dispatched) and the fix.
+failed (the last aten op dispatched), quotes PyTorch's reason and gives the fix for the kind of
+failure: a sample whose shape or dtype does not fit the model's forward (field ``sample``), a
+data-dependent forward (``.item()``, ``.tolist()``, ``numpy()``, value-sized outputs), or
+anything else. While tracing, FakeTensorMode's own error log of the failing op (a traceback on
+stderr) is filtered out: the TraceError says it in one line.
 
 Known MemTracker limits, where they bite (README notes):
 
@@ -40,9 +44,11 @@ Known MemTracker limits, where they bite (README notes):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -118,30 +124,114 @@ def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Ca
     build_sample = load_object(sample_factory, field_name="sample")
     loss_fn = load_object(loss, field_name="loss") if loss is not None else None
     errors: list[str] = []
+    failures: list[_OpFailure] = []
+    names = {"model": _name(model_factory), "sample": _name(sample_factory)}
     for mode in ("fake", "meta"):
         try:
-            runs, stats, loss_desc = _trace_in_mode(
-                mode, build_model, build_sample, loss_fn, precision, optimizer, micro_batches,
-                names={"model": _name(model_factory), "sample": _name(sample_factory)})
+            with _quiet_fake_tensor_log():
+                runs, stats, loss_desc = _trace_in_mode(
+                    mode, build_model, build_sample, loss_fn, precision, optimizer,
+                    micro_batches, names=names)
         except TraceError:
             raise
         except _OpFailure as exc:
             errors.append(f"{mode}: {exc}")
+            failures.append(exc)
             log.info("trace on %s device failed: %s", mode, exc)
             continue
         return _result(runs, stats, loss_desc, mode, precision, optimizer, errors,
                        clock() - start)
-    raise TraceError("model", "cannot be traced on the fake or the meta device ("
-                     + "; ".join(errors) + ")", value=_name(model_factory),
-                     fix="make the failing operation shape-only (no .item(), .tolist(), "
-                         "numpy() or data-dependent Python branches in forward), or plan with "
-                         "--params / --layers instead")
+    raise _untraceable(failures, errors, names)
+
+
+def _untraceable(failures: list[_OpFailure], errors: list[str],
+                 names: Mapping[str, str]) -> TraceError:
+    """The TraceError for a model that ran on neither device, by kind of failure."""
+    kinds = [_failure_kind(f.exc) for f in failures]
+    if "mismatch" in kinds:
+        failure = failures[kinds.index("mismatch")]
+        return TraceError("sample", f"does not fit the input of model {names['model']}: "
+                          f"{failure.where} failed with {_one_line(failure.exc)}",
+                          value=names["sample"],
+                          fix=f"pass a --sample factory that returns what {names['model']}'s "
+                              "forward takes (shape and dtype, batch first; a tuple/dict for "
+                              "several arguments)")
+    if "data-dependent" in kinds:
+        return TraceError("model", "cannot be traced on the fake or the meta device ("
+                          + "; ".join(errors) + ")", value=names["model"],
+                          fix="make the failing operation shape-only (no .item(), .tolist(), "
+                              "numpy() or data-dependent Python branches in forward), or plan "
+                              "with --params / --layers instead")
+    failure = failures[0]
+    return TraceError("model", "cannot be traced on the fake or the meta device: "
+                      f"{failure.where} failed with {_one_line(failure.exc)}",
+                      value=names["model"],
+                      fix="check that one training step runs on a real sample (model factory "
+                          "and --sample together), or plan with --params / --layers instead")
 
 
 # -- internals ---------------------------------------------------------------------------------
 
 class _OpFailure(Exception):
-    """The model failed while running on a fake/meta device (message names the op)."""
+    """The model failed while running on a fake/meta device (message names the op).
+
+    ``where`` says what failed ("operation aten.mm.default", "building the model"), ``exc`` is
+    the exception PyTorch or the user's code raised there."""
+
+    def __init__(self, where: str, exc: BaseException, prefix: str = "") -> None:
+        super().__init__(f"{prefix}{where} failed: {_one_line(exc)}")
+        self.where, self.exc = where, exc
+
+
+# Failures that come from the sample not fitting the model's forward: PyTorch's shape/dtype
+# checks (matmul, conv, norm, embedding, RNN, view, broadcasting) and a wrong argument count.
+_MISMATCH = re.compile("|".join((
+    r"shapes cannot be multiplied", r"must have (the )?same reduction dim", r"size mismatch",
+    r"expected\b.*\binput", r"to have \d+ channels", r"invalid channel dimensions",
+    r"must be equal to input_size", r"normalized_shape", r"must match the size of tensor",
+    r"is invalid for input of size", r"dimension out of range", r"same dtype",
+    r"expected scalar type", r"scalar types?\b.*\bbut got", r"does not match",
+    r"forward\(\) (takes|missing|got an unexpected)", r"input.* must have \d+ dim",
+)), re.IGNORECASE)
+
+# Failures that come from a forward that needs values, not shapes.
+_DATA_DEPENDENT = re.compile("|".join((
+    r"DataDependent", r"DynamicOutputShape", r"_local_scalar_dense",
+    r"cannot be called on meta tensors", r"copy out of meta tensor", r"numpy", r"nonzero",
+    r"data.dependent",
+)), re.IGNORECASE)
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """The kind of a trace failure: "data-dependent", "mismatch" (the sample does not fit the
+    model's input) or "other"."""
+    text = f"{type(exc).__name__}: {exc}"
+    if _DATA_DEPENDENT.search(text):
+        return "data-dependent"
+    if isinstance(exc, (RuntimeError, ValueError, AssertionError, IndexError, TypeError)) \
+            and _MISMATCH.search(str(exc).strip().split("\n", 1)[0]):
+        return "mismatch"
+    return "other"
+
+
+class _DropFakeTensorErrors(logging.Filter):
+    """Drops FakeTensorMode's ``log.exception`` of a failing op: the trace re-raises it as one
+    TraceError line, so the logged traceback is only noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """For one trace attempt only: filter the fake tensor logger's error tracebacks."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    drop = _DropFakeTensorErrors()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 
@@ -218,14 +308,15 @@ def _trace_in_mode(mode, build_model, build_sample, loss_fn, precision, optimize
         raise
     except _FactoryError as exc:
         if mode == "fake" and exc.field_name == "model" and _looks_like_fake_issue(exc.exc):
-            raise _OpFailure(f"building the model failed under FakeTensorMode ({exc})") from None
+            raise _OpFailure("building the model under FakeTensorMode", exc.exc) from None
         raise TraceError(exc.field_name, f"the factory raised {exc}",
                          value=names.get(exc.field_name, exc.spec_name),
                          fix="make the factory run on its own (python -c \"from m import f; "
                              "f()\") and build on whatever device is current") from None
     except Exception as exc:  # noqa: BLE001 - the model cannot run on this device
-        where = f"operation {recorder.last}" if recorder.last else "building the model"
-        raise _OpFailure(f"{where} failed: {_one_line(exc)}") from None
+        where = (f"operation {recorder.last}" if recorder.last
+                 else "the model's forward" if recorder.entered else "building the model")
+        raise _OpFailure(where, exc) from None
     return runs, stats, desc
 
 
@@ -239,6 +330,7 @@ class _LastOp:
 
     def __init__(self) -> None:
         self.last: str | None = None
+        self.entered = False
         self._mode = None
 
     def __enter__(self):
@@ -253,6 +345,7 @@ class _LastOp:
 
         self._mode = _Mode()
         self._mode.__enter__()
+        self.entered = True
         return self
 
     def __exit__(self, *exc):

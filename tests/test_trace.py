@@ -7,6 +7,8 @@ the CPU. The trace runs the same step under FakeTensorMode, where nothing is all
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -245,3 +247,75 @@ def test_wrap_units_never_returns_a_container_without_forward():
 def test_bad_micro_batches():
     with pytest.raises(TraceError, match="micro_batches"):
         trace_model("examples.models:mlp", "examples.models:mlp_batch", micro_batches=(4, 4))
+
+
+# -- a sample that does not fit the model -----------------------------------------------------
+
+_FAKE_LOG = "torch._subclasses.fake_tensor"
+_DATA_DEPENDENT_FIX = ".item()"
+
+
+def test_sample_that_does_not_fit_the_model_says_so_and_how_to_fix_it():
+    with pytest.raises(TraceError) as err:
+        trace_model("examples.models:mlp", "examples.models:cnn_batch")
+    e, msg = err.value, str(err.value)
+    assert e.field == "sample" and e.value == "examples.models:cnn_batch"
+    assert "does not fit the input of model examples.models:mlp" in msg
+    assert "a and b must have same reduction dim" in msg          # torch's own reason
+    assert "--sample" in e.fix and "forward takes" in e.fix       # the fix
+    assert _DATA_DEPENDENT_FIX not in msg and "data-dependent" not in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("build,sample,reason", [
+    (lambda: nn.Linear(8, 4), lambda: torch.randn(2, 5), "same reduction dim"),
+    (lambda: nn.Embedding(10, 4), lambda: torch.randn(2, 8), "scalar types"),
+    (lambda: nn.LayerNorm(8), lambda: torch.randn(2, 5), "normalized_shape"),
+    (models.cnn, lambda: torch.randn(2, 512), "input to conv2d"),
+    (models.cnn, lambda: torch.randn(2, 1, 32, 32), "to have 3 channels"),
+    (lambda: nn.Linear(4, 4), lambda: (torch.randn(2, 4), torch.randn(2, 4)),
+     "forward() takes"),
+])
+def test_shape_and_dtype_mismatches_are_sample_errors(build, sample, reason):
+    with pytest.raises(TraceError) as err:
+        trace_model(build, sample)
+    assert err.value.field == "sample"
+    assert reason in str(err.value) and _DATA_DEPENDENT_FIX not in str(err.value)
+
+
+def test_failing_trace_logs_no_fake_tensor_traceback(caplog, capfd):
+    # torch's fake tensor logger does not propagate to the root logger: listen on it directly
+    fake_log = logging.getLogger(_FAKE_LOG)
+    fake_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.DEBUG), pytest.raises(TraceError):
+            trace_model(lambda: nn.Linear(8, 4), lambda: torch.randn(2, 5))
+    finally:
+        fake_log.removeHandler(caplog.handler)
+    noisy = [r for r in caplog.records if r.name.startswith("torch") and r.levelno >= logging.ERROR]
+    assert noisy == []
+    assert "fake_tensor.py" not in capfd.readouterr().err
+    assert fake_log.filters == []  # the filter is scoped to the trace
+
+
+def test_unclassified_failure_quotes_torch_without_data_dependent_advice():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            raise KeyError("no head named 'cls'")
+
+    with pytest.raises(TraceError) as err:
+        trace_model(Odd, lambda: torch.randn(2, 4))
+    msg = str(err.value)
+    assert err.value.field == "model" and "no head named 'cls'" in msg
+    assert _DATA_DEPENDENT_FIX not in msg and "\n" not in msg
+
+
+def test_data_dependent_forward_keeps_its_advice():
+    with pytest.raises(TraceError) as err:
+        trace_model("examples.models:data_dependent", "examples.models:data_dependent_batch")
+    assert err.value.field == "model"
+    assert "cannot be traced" in str(err.value) and _DATA_DEPENDENT_FIX in err.value.fix
