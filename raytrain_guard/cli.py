@@ -5,25 +5,35 @@ Each subcommand is one ``add_<name>_command(subparsers)`` function that adds its
 new function and one entry in that tuple.
 
 Exit codes: 0 success (for ``plan``: the plan fits), 1 the plan does not fit, 2 bad input
-(one line on stderr naming the input and the fix; argparse's own errors exit 2 as well).
+(one line on stderr naming the input and the fix; argparse's own errors too, see
+:class:`OneLineArgumentParser`).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
+import re
 import sys
 from typing import Any, Callable, Sequence
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.errors import GuardError, PlanInputError
-from raytrain_guard.units import format_bytes, parse_bytes, parse_count
+from raytrain_guard.errors import GuardError, InputError, PlanInputError
+from raytrain_guard.units import MiB, TiB, format_bytes, parse_bytes, parse_count
 
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
+
+#: sizes written without a unit below this are refused: "--gpu-mem 80" meant GiB, not bytes
+MIN_UNITLESS_BYTES = MiB
+#: no memory a plan reads (a card, a node's RAM, a batch) comes near 1 PiB: "1e40" is a typo
+MAX_SIZE_BYTES = 1024 * TiB
+#: --params above this is no model: 1000 T parameters, hundreds of times the largest trained
+MAX_PARAMS = 1e15
 
 
 # -- plan ----------------------------------------------------------------------------------------
@@ -64,8 +74,9 @@ def add_plan_command(subparsers) -> None:
     run.add_argument("--strategy", default="ddp", help="ddp, zero1, fsdp-grad-op, fsdp-full")
     run.add_argument("--precision", default="fp32", help="fp32, amp-bf16, bf16-master, bf16")
     run.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum, adam, adamw")
-    run.add_argument("--recompute", default="none", help="none, selective, full (shape only)")
-    run.add_argument("--attention", default="flash", help="flash, math (shape only)")
+    run.add_argument("--recompute", help="none (default), selective, full; with the model "
+                     "shape only (--layers ...)")
+    run.add_argument("--attention", help="flash (default), math; with the model shape only")
     run.add_argument("--workers", default="1", metavar="N", help="data-parallel ranks in total")
 
     mach = p.add_argument_group("machine")
@@ -91,7 +102,47 @@ def add_plan_command(subparsers) -> None:
     p.set_defaults(run=run_plan)
 
 
+#: planner and model fields -> the plan flags that set them, so that an error the planner
+#: raises names what the user typed (``batch_bytes`` -> ``--batch-bytes``)
+PLAN_FLAGS = {
+    "config": "--config", "device_memory_bytes": "--gpu-mem", "host_memory_bytes": "--host-mem",
+    "gpus_per_node": "--gpus-per-node", "cpus_per_node": "--cpus-per-node",
+    "global_batch": "--global-batch", "micro_batch": "--micro-batch",
+    "grad_accum": "--grad-accum", "world_size": "--workers", "strategy": "--strategy",
+    "precision": "--precision", "optimizer": "--optimizer", "recompute": "--recompute",
+    "attention": "--attention", "layers": "--layers", "hidden": "--hidden", "heads": "--heads",
+    "seq_len": "--seq-len", "vocab": "--vocab", "ffn_hidden": "--ffn-hidden",
+    "num_kv_heads": "--kv-heads", "bandwidth_curve": "--bandwidth-curve"}
+#: Python spellings in fix texts -> the flag or file that does it on the command line
+PLAN_FIX_WORDS = (("pin_memory=False", "--no-pin-memory"),
+                  ("host_prefetch_frac", "host_prefetch_frac (--config)"))
+
+
 def run_plan(args: argparse.Namespace) -> int:
+    """Plan from the flags; an input error names the flag (see :data:`PLAN_FLAGS`)."""
+    try:
+        return _plan_from_flags(args)
+    except InputError as err:
+        raise _in_flags(err, args) from None
+
+
+def _in_flags(err: InputError, args: argparse.Namespace) -> InputError:
+    """``err`` with its field and fix in the plan's flags (unchanged where none applies)."""
+    m = re.fullmatch(r"(\w+)(\[\d+\])?", err.field)     # "bandwidth_curve[3]" too
+    name, index = m.groups("") if m else (err.field, "")
+    flag = PLAN_FLAGS.get(name)
+    if name in ("batch_bytes", "sample_bytes"):   # given, or measured from a factory
+        flag = "--batch-bytes" if args.batch_bytes is not None else \
+            "--dataset" if args.dataset is not None else "--sample"
+    if flag is None:
+        return err
+    fix = err.fix
+    for python, cli in PLAN_FIX_WORDS:
+        fix = fix.replace(python, cli)
+    return type(err)(f"{flag}{index}", err.problem, value=err.value, fix=fix)
+
+
+def _plan_from_flags(args: argparse.Namespace) -> int:
     """Build the inputs from the flags, plan, print; exit 0 fits, 1 does not fit."""
     from raytrain_guard.core.memory_model import TrainingSetup
     from raytrain_guard.core.planner import plan
@@ -157,6 +208,9 @@ def format_plan(d: dict[str, Any]) -> str:
                                f"{d['micro_batch']} x {d['grad_accum']} x {d['world_size']}"))
     if d["bucket"] is not None:
         rows.append(("bucket_cap_mb", d["bucket"]["reason"]))
+    elif d["world_size"] == 1 and d["strategy"] in ("ddp", "zero1"):
+        rows.append(("bucket_cap_mb",
+                     "none (world size 1: Ray's prepare_model does not wrap DDP)"))
     else:
         rows.append(("bucket_cap_mb", "n/a"))
     loader = d["dataloader"]
@@ -203,13 +257,21 @@ def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
         raise PlanInputError("--activation-bytes-per-sample", "only applies with --params",
                              value=args.activation_bytes_per_sample,
                              fix="drop it: the shape or the trace gives the activations")
+    for flag, value in (("--recompute", args.recompute), ("--attention", args.attention)):
+        if value is not None and (args.params is not None or args.model is not None):
+            source = "--params" if args.params is not None else "--model"
+            raise PlanInputError(flag, f"only applies with the model shape (--layers "
+                                 f"--hidden ...), not with {source}", value=value,
+                                 fix="drop it: " + (
+                                     "give --activation-bytes-per-sample as measured with it"
+                                     if source == "--params" else
+                                     "the trace measures the model as its factory builds it"))
     if args.params is not None:
-        n = parse_count(args.params, field="--params")
+        n = parse_count(args.params, field="--params", at_most=MAX_PARAMS)
         model = ModelStats(num_params=n, num_trainable_params=n)
         if args.activation_bytes_per_sample is None:
             return model, ActivationProfile(0.0, source="unknown"), ()
-        per_sample = parse_bytes(args.activation_bytes_per_sample,
-                                 field="--activation-bytes-per-sample")
+        per_sample = _size(args.activation_bytes_per_sample, "--activation-bytes-per-sample")
         return model, ActivationProfile(float(per_sample), source="given"), ()
     if args.model is not None:
         if args.sample is None:
@@ -242,7 +304,7 @@ def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
         heads=_positive_int(args.heads, "--heads"), seq_len=_positive_int(args.seq_len,
                                                                           "--seq-len"),
         vocab=_positive_int(args.vocab, "--vocab"), precision=setup.precision,
-        recompute=args.recompute, attention=args.attention, **options)
+        recompute=args.recompute or "none", attention=args.attention or "flash", **options)
     return model, acts, ()
 
 
@@ -302,7 +364,11 @@ def _config(args) -> GuardConfig:
         except ValueError:
             raise PlanInputError("--headroom", "not a fraction", value=args.headroom,
                                  fix="write 0.15 or 15%") from None
-        config = config.replace(headroom_frac=frac)
+        try:
+            config = config.replace(headroom_frac=frac)
+        except InputError as err:    # the flag, not the config field it sets
+            raise PlanInputError("--headroom", err.problem, value=args.headroom,
+                                 fix=err.fix) from None
     return config
 
 
@@ -323,7 +389,10 @@ def _positive_int(text, flag: str, default: Any = ...) -> Any:
 
 
 def _size(text, flag: str) -> int | None:
-    return None if text is None else parse_bytes(text, field=flag)
+    """A size flag: refused without a unit below MIN_UNITLESS_BYTES, and above MAX_SIZE_BYTES."""
+    return None if text is None else parse_bytes(text, field=flag,
+                                                 unitless_min_bytes=MIN_UNITLESS_BYTES,
+                                                 at_most=MAX_SIZE_BYTES)
 
 
 def _curve(args) -> list[tuple[int, float]] | None:
@@ -352,7 +421,7 @@ def _cuda():
 
 def _gpu_memory(args) -> int:
     if args.gpu_mem is not None:
-        return parse_bytes(args.gpu_mem, field="--gpu-mem")
+        return _size(args.gpu_mem, "--gpu-mem")
     cuda = _cuda()
     if cuda is None:
         raise PlanInputError("--gpu-mem", "is required: no CUDA device on this machine",
@@ -389,8 +458,10 @@ def add_status_command(subparsers) -> None:
         "status", help="nodes, ranks, memory, step time, stragglers and decisions of a live run",
         description="Read the live coordinator of a guarded run (found by name in the "
                     "namespace). Sets RAY_AUTH_MODE=token when a Ray token exists and the "
-                    "variable is unset. Exit 0 success, 2 no coordinator or bad input.")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
+                    "variable is unset. Exit 0 success, 2 no cluster at --address (within "
+                    "about 15 s), no coordinator or bad input.")
+    p.add_argument("--address", default=None, help="host:port of the Ray head (default: a "
+                   "cluster started on this machine)")
     p.add_argument("--namespace", default="raytrain_guard", help="the run's Ray namespace")
     p.add_argument("--run-id", default=None, help="which run, when several are live")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -461,8 +532,46 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
 )
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr (exit 2), like every other bad input;
+    ``--help`` is unchanged. Subcommand parsers are of this class too (argparse's default)."""
+
+    _arg_strings: Sequence[str] = ()
+    #: subcommand name -> its parser (set by build_parser), to report leftovers as the command
+    commands: dict[str, argparse.ArgumentParser] | None = None
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = (self.commands or {}).get(getattr(parsed, "command", None), self)
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._arg_strings = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        hint = _dash_value_hint(message, self._arg_strings) or f"; see {self.prog} --help"
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}{hint}\n")
+
+
+def _dash_value_hint(message: str, arg_strings: Sequence[str]) -> str:
+    """For ``--params -7B``, which argparse reads as two options: say so, and the fix."""
+    m = re.fullmatch(r"argument (\S+): expected one argument", message)
+    if m is None:
+        return ""
+    options = m.group(1).split("/")
+    for option, value in itertools.pairwise(arg_strings):
+        if option in options and re.match(r"-\.?\d", value):
+            return (f" (got {value!r}, which reads as an option): {option} takes a positive "
+                    f"value, e.g. {option} {value[1:]}; write {option}={value} to pass a value "
+                    f"that starts with '-'")
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="raytrain-guard",
         description="Keep distributed PyTorch training on Ray inside its GPU-memory, "
                     "host-memory and communication limits.")
@@ -470,12 +579,13 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(subparsers)
+    parser.commands = dict(subparsers.choices)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, run the subcommand, map errors to exit codes (2 for bad input, no traceback)."""
-    args = build_parser().parse_args(argv)      # argparse errors exit 2 by themselves
+    args = build_parser().parse_args(argv)      # argparse errors: one line, exit 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

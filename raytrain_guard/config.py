@@ -94,13 +94,14 @@ class GuardConfig:
         1.5, "A step is slow when it takes longer than this multiple of the recent median step. "
         "Default 1.5: DDP step jitter on a healthy node stays well below it.", 1.0, lo_open=True)
     slow_step_abs_s: float | None = _doc(
-        None, "Optional absolute slow-step threshold in seconds; None uses only the relative rule.",
+        None, "Optional absolute slow-step threshold in seconds; none (the key left out of a TOML "
+        "file, None in Python) uses only the relative rule.",
         0.0, lo_open=True)
     step_window: int = _doc(
         50, "Number of recent steps kept for the median and the attribution. Default 50.", 3)
     cpu_memory_budget_bytes: int | None = _doc(
-        None, "On CPU (no CUDA), the process-memory budget the watermark is measured against. None: "
-        "the host RAM divided by the local world size.", 1)
+        None, "On CPU (no CUDA), the process-memory budget the watermark is measured against. None "
+        "(the key left out of a TOML file): the host RAM divided by the local world size.", 1)
     pacing_enabled: bool = field(default=False, metadata={
         "doc": "Enable the seed's pacing delay (a sleep before each step under pressure). Off "
                "by default: it trades throughput for memory and is a last resort."})
@@ -221,8 +222,10 @@ class GuardConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or (
                     is_int and not isinstance(value, int)):
                 kind = "an integer" if is_int else "a number"
+                none = f", or leave {f.name} out for none (None in Python)" \
+                    if "None" in str(f.type) else ""     # TOML has no null: "none" is a string
                 raise ConfigError(f.name, f"must be {kind}", value=value,
-                                  fix=f"set {f.name} to {kind}; {f.metadata['doc']}")
+                                  fix=f"set {f.name} to {kind}{none}; {f.metadata['doc']}")
             lo_open = f.metadata.get("lo_open")
             if lo is not None and (value < lo or (lo_open and value == lo)):
                 bound = f"> {lo}" if lo_open else f">= {lo}"
@@ -257,23 +260,34 @@ class GuardConfig:
                 hint = f"did you mean {close[0]!r}?" if close else \
                     f"known keys: {', '.join(sorted(known))}"
                 raise ConfigError(f"{source}: {key}", "unknown key", fix=hint)
-        return cls(**dict(data))
+        try:
+            return cls(**dict(data))
+        except ConfigError as err:   # name where the value came from, as for unknown keys
+            raise type(err)(f"{source}: {err.field}", err.problem, value=err.value,
+                            fix=err.fix) from None
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> "GuardConfig":
-        """Load from a TOML file: top-level keys, or a ``[raytrain_guard]`` table."""
+        """Load from a TOML file: top-level keys, or a ``[raytrain_guard]`` table (then the
+        file's other tables, e.g. another tool's, are not read)."""
         try:
             with open(path, "rb") as fh:
                 data = _toml.load(fh)
         except FileNotFoundError:
             raise ConfigError("config", "file not found", value=str(path),
                               fix="pass the path of an existing TOML file") from None
+        except OSError as exc:      # a directory, no permission, ...
+            why = (exc.strerror or type(exc).__name__).lower()
+            raise ConfigError("config", f"cannot read it: {why}", value=str(path),
+                              fix="pass the path of a TOML file you can read") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError("config", f"not UTF-8 (byte {exc.object[exc.start]:#04x} at "
+                              f"offset {exc.start})", value=str(path),
+                              fix="save the file as UTF-8, as TOML requires") from None
         except _toml.TOMLDecodeError as exc:
             raise ConfigError("config", f"not valid TOML ({exc})", value=str(path),
                               fix="fix the TOML syntax") from None
-        if "raytrain_guard" in data and isinstance(data["raytrain_guard"], dict):
-            data = data["raytrain_guard"]
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(_guard_section(data, str(path)), source=str(path))
 
     def replace(self, **changes: Any) -> "GuardConfig":
         """A copy with some fields changed, validated again."""
@@ -299,6 +313,33 @@ for a driver that misbehaves under NVML polling, or to rehearse a GPU-less node.
 def nvml_disabled(environ: Mapping[str, str] | None = None) -> bool:
     """True when :data:`DISABLE_NVML_ENV` is ``1`` in ``environ`` (default: this process)."""
     return (os.environ if environ is None else environ).get(DISABLE_NVML_ENV) == "1"
+
+
+def _guard_section(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The GuardConfig keys of a TOML document: its ``[raytrain_guard]`` table when it has one
+    (top-level keys next to it are refused: they would be dropped), else its top level."""
+    def is_our_name(key: str) -> bool:
+        return key.replace("-", "_").lower() == "raytrain_guard"
+
+    table = data.get("raytrain_guard")
+    for key, value in data.items():
+        if isinstance(value, dict) and is_our_name(key) and key != "raytrain_guard":
+            raise ConfigError(f"{source}: [{key}]", "unknown table",
+                              fix="write the table as [raytrain_guard], with an underscore")
+    if not isinstance(table, dict):
+        for key, value in data.items():
+            if isinstance(value, dict):
+                raise ConfigError(f"{source}: [{key}]", "unknown table",
+                                  fix="put GuardConfig keys at the top level or in a "
+                                      "[raytrain_guard] table")
+        return data
+    stray = [key for key, value in data.items() if not isinstance(value, dict)]
+    if stray:
+        raise ConfigError(f"{source}: {stray[0]}", "top-level key next to a [raytrain_guard] "
+                          "table, where it is not read",
+                          fix=f"move {', '.join(stray)} below the [raytrain_guard] header "
+                              f"(keys above it are top-level), or drop the table header")
+    return table
 
 
 def _range_fix(name: str, lo, hi, lo_open) -> str:

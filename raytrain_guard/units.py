@@ -19,11 +19,17 @@ _BYTE_UNITS = {
     "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
 }
 _COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+_NUMBER = r"([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"   # a sign: "not positive", not "not a size"
 
 
-def parse_bytes(text: str | int | float, *, field: str = "size") -> int:
-    """``"80GiB"`` -> 85899345920. Decimal (GB) and binary (GiB) units; a bare number is bytes."""
+def parse_bytes(text: str | int | float, *, field: str = "size",
+                unitless_min_bytes: int | None = None, at_most: int | None = None) -> int:
+    """``"80GiB"`` -> 85899345920. Decimal (GB) and binary (GiB) units; a bare number is bytes.
+
+    ``unitless_min_bytes``: a number written without a unit below it is refused (``80`` meant
+    80 GiB, not 80 bytes); with a unit (``80B``) any positive size passes. ``at_most``: sizes
+    above it are refused (``1e40``).
+    """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
@@ -35,11 +41,20 @@ def parse_bytes(text: str | int | float, *, field: str = "size") -> int:
     result = value * _BYTE_UNITS[unit]
     if not math.isfinite(result) or result <= 0:
         raise InputError(field, "must be a positive size", value=text, fix="e.g. 80GiB")
+    if unitless_min_bytes is not None and unit == "" and result < unitless_min_bytes:
+        raise InputError(field, f"no unit, so {value:g} bytes", value=text,
+                         fix=f"write a unit, e.g. {value:g}GiB or {value:g}MiB ({value:g}B if "
+                             f"you mean bytes)")
+    if at_most is not None and result > at_most:
+        raise InputError(field, f"above {format_bytes(at_most)}, more than any machine has",
+                         value=text, fix="check the unit, e.g. 80GiB")
     return int(result)
 
 
-def parse_count(text: str | int | float, *, field: str = "count") -> int:
-    """``"7.5B"`` and ``"7.5e9"`` -> 7500000000. Suffixes K, M, B (or G) and T."""
+def parse_count(text: str | int | float, *, field: str = "count",
+                at_most: float | None = None) -> int:
+    """``"7.5B"`` and ``"7.5e9"`` -> 7500000000. Suffixes K, M, B (or G) and T; counts above
+    ``at_most`` are refused."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, suffix = float(text), ""
     else:
@@ -51,6 +66,9 @@ def parse_count(text: str | int | float, *, field: str = "count") -> int:
     result = value * _COUNT_SUFFIX[suffix]
     if not math.isfinite(result) or result < 1:
         raise InputError(field, "must be a positive count", value=text, fix="e.g. 7B")
+    if at_most is not None and result > at_most:
+        raise InputError(field, f"above {at_most:.0e}, beyond any real count", value=text,
+                         fix="check the suffix, e.g. 7B or 1.5T")
     return int(round(result))
 
 

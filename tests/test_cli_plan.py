@@ -209,10 +209,96 @@ def test_list_backed_dataset_warns():
      "--sample: the factory raised ValueError: no data on this machine"),
     (("--params", "1B", "--gpu-mem", "80GiB", "--micro-batch", "2", "--grad-accum", "2",
       "--global-batch", "5"), "--global-batch: disagrees"),
+    # argparse's own errors: one line, not the usage block
+    (("--params", "1B", "--gpu-mem", "80GiB", "--no-such-flag"),
+     "unrecognized arguments: --no-such-flag"),
+    (("--params", "-7B", "--gpu-mem", "80GiB"), ("argument --params: expected one argument "
+     "(got '-7B', which reads as an option): --params takes a positive value, e.g. --params 7B")),
+    (("--params", "1B", "--gpu-mem", "-80GiB"), "write --gpu-mem=-80GiB to pass"),
+    (("--params=-7B", "--gpu-mem", "80GiB"), "--params: must be a positive count (got '-7B')"),
+    (("--params", "1B", "--gpu-mem=-80GiB"), "--gpu-mem: must be a positive size"),
+    # implausible sizes: 80 without a unit is 80 bytes; 1e40 parameters is no model
+    (("--params", "1B", "--gpu-mem", "80"), ("--gpu-mem: no unit, so 80 bytes (got '80'); "
+     "write a unit, e.g. 80GiB")),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--host-mem", "512"), "--host-mem: no unit"),
+    (("--params", "1e40", "--gpu-mem", "80GiB"), "--params: above 1e+15"),
+    (("--params", "1B", "--gpu-mem", "1e40"), "--gpu-mem: above 1024.0 TiB"),
+    # shape-only options with a parameter count or a traced model are refused, not ignored
+    (("--params", "1B", "--gpu-mem", "80GiB", "--recompute", "full"),
+     "--recompute: only applies with the model shape"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--attention", "flash"),
+     "--attention: only applies with the model shape"),
+    (("--model", "examples.models:mlp", "--sample", "examples.models:mlp_batch", "--gpu-mem",
+      "80GiB", "--recompute", "selective"), "--recompute: only applies with the model shape"),
+    # the planner's fields are named as the flags that set them
+    (("--params", "1B", "--gpu-mem", "80GiB", "--host-mem", "1KiB", "--batch-bytes", "1MiB"),
+     "--batch-bytes: one batch and its pinned copy"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--host-mem", "1KiB", "--batch-bytes", "1MiB"),
+     "or --no-pin-memory"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--headroom", "95%"),
+     "--headroom: must be <= 0.9 (got '95%'); choose headroom_frac in [0.0, 0.9]"),
 ])
 def test_bad_input_is_one_line(args, names):
     line = one_line_error(run_plan(*args))
     assert names in line
+
+
+def test_help_is_still_the_full_usage():
+    out = run_plan("--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: raytrain-guard plan")
+    assert "--gpu-mem SIZE" in out.stdout and out.stderr == ""
+
+
+def test_size_without_a_unit_stays_bytes_when_large():
+    # 85899345920 bytes is 80 GiB: a bare byte count of a plausible size is kept
+    out = run_plan("--params", "1B", "--gpu-mem", "85899345920", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["device_memory_bytes"] == 80 * 1024**3
+
+
+def test_shape_options_still_apply_to_the_shape():
+    shape = ("--layers", "2", "--hidden", "256", "--heads", "4", "--seq-len", "512", "--vocab",
+             "1000", "--gpu-mem", "80GiB", "--json")
+    full = json.loads(run_plan(*shape, "--recompute", "full").stdout)
+    none = json.loads(run_plan(*shape).stdout)
+    assert full["breakdown"]["activations"] < none["breakdown"]["activations"]
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("dir", None, "cannot read it: is a directory"),
+    ("latin1.toml", b"headroom_frac = 0.2  # \xe9t\xe9\n", "not UTF-8"),
+    ("broken.toml", b"headroom_frac = \n", "not valid TOML"),
+    ("dash.toml", b"[raytrain-guard]\nheadroom_frac = 0.2\n",
+     "write the table as [raytrain_guard]"),
+    ("mixed.toml", b"headroom_frac = 0.2\n[raytrain_guard]\nnum_slow_steps = 4\n",
+     "headroom_frac: top-level key next to a [raytrain_guard] table"),
+    ("range.toml", b"headroom_frac = 3\n", "range.toml: headroom_frac: must be <= 0.9"),
+    ("none.toml", b"slow_step_abs_s = \"none\"\n", "leave slow_step_abs_s out for none"),
+])
+def test_config_file_errors_are_one_line(tmp_path, name, content, words):
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    line = one_line_error(run_plan("--params", "1B", "--gpu-mem", "80GiB", "--config", str(path)))
+    assert words in line and str(path) in line
+
+
+def test_world_size_one_recommends_no_buckets():
+    # one rank: Ray's prepare_model does not wrap DDP, so there are no gradient buckets to size
+    # and no bucket warning, even when the plan does not fit (7.5 B fp32 AdamW: 147.7 GiB)
+    out = run_plan("--params", "7.5B", "--gpu-mem", "80GiB")
+    assert out.returncode == 1, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("bucket_cap_mb"))
+    assert row.split(None, 1)[1] == "none (world size 1: Ray's prepare_model does not wrap DDP)"
+    assert "buckets)" not in out.stdout and "DDP buckets" not in out.stdout
+    d = json.loads(run_plan("--params", "7.5B", "--gpu-mem", "80GiB", "--json").stdout)
+    assert d["bucket_cap_mb"] is None and d["bucket"] is None
+    assert not any("bucket" in w for w in d["warnings"])
+    two = json.loads(run_plan("--params", "1B", "--workers", "2", "--gpu-mem", "80GiB",
+                              "--json").stdout)
+    assert two["bucket_cap_mb"] > 0 and two["bucket"]["num_buckets"] >= 1
 
 
 @pytest.mark.parametrize("model, names", [
@@ -236,6 +322,7 @@ def test_gpu_mem_is_required_without_cuda():
 def test_argparse_errors_exit_2():
     out = run_plan("--params", "1B", "--gpu-mem", "80GiB", "--no-such-flag")
     assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "usage:" not in out.stderr and "raytrain-guard plan --help" in out.stderr
 
 
 def test_console_script():

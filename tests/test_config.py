@@ -1,5 +1,6 @@
 """GuardConfig: seed-rule defaults, validation naming the field and the fix, TOML loading."""
 
+import os
 import pickle
 
 import pytest
@@ -82,3 +83,72 @@ def test_errors_survive_pickling():
     err = ConfigError("headroom_frac", "must be <= 0.9", value=2, fix="choose less")
     back = pickle.loads(pickle.dumps(err))
     assert isinstance(back, InputError) and str(back) == str(err) and back.field == "headroom_frac"
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, r"config: cannot read it: is a directory \(got '.*'\); pass the path of a TOML file"),
+    (b"headroom_frac = 0.2  # \xe9t\xe9\n", r"config: not UTF-8 .*; save the file as UTF-8"),
+])
+def test_unreadable_toml_file(tmp_path, content, match):
+    p = tmp_path / "c.toml"
+    if content is None:
+        p.mkdir()
+    else:
+        p.write_bytes(content)
+    with pytest.raises(ConfigError, match=match) as err:
+        GuardConfig.from_toml(p)
+    assert str(p) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root reads a file without read permission")
+def test_toml_file_without_permission(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("headroom_frac = 0.2\n")
+    p.chmod(0)
+    with pytest.raises(ConfigError, match="cannot read it: permission denied"):
+        GuardConfig.from_toml(p)
+
+
+def test_toml_value_errors_name_the_file(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[raytrain_guard]\nnum_slow_steps = 2.5\n")
+    with pytest.raises(ConfigError) as err:
+        GuardConfig.from_toml(p)
+    assert err.value.field == f"{p}: num_slow_steps"
+    assert "must be an integer (got 2.5)" in str(err.value)
+
+
+def test_toml_dashed_table_points_to_the_underscore(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[raytrain-guard]\nheadroom_frac = 0.2\n")
+    with pytest.raises(ConfigError) as err:
+        GuardConfig.from_toml(p)
+    assert err.value.field == f"{p}: [raytrain-guard]"
+    assert "write the table as [raytrain_guard]" in str(err.value)
+    assert "known keys" not in str(err.value)
+
+
+def test_toml_top_level_keys_next_to_the_table_are_refused(tmp_path):
+    # keys above the table header would be dropped: refused, not silently ignored
+    p = tmp_path / "c.toml"
+    p.write_text("headroom_frac = 0.2\n[raytrain_guard]\nnum_slow_steps = 4\n")
+    with pytest.raises(ConfigError, match="headroom_frac: top-level key next to a "
+                                          r"\[raytrain_guard\] table"):
+        GuardConfig.from_toml(p)
+    # other tables (another tool's section of a shared file) stay allowed next to it
+    shared = tmp_path / "shared.toml"
+    shared.write_text("[other_tool]\nx = 1\n[raytrain_guard]\nnum_slow_steps = 4\n")
+    assert GuardConfig.from_toml(shared).num_slow_steps == 4
+
+
+def test_optional_field_says_how_to_write_none(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('slow_step_abs_s = "none"\n')
+    with pytest.raises(ConfigError, match="leave slow_step_abs_s out for none"):
+        GuardConfig.from_toml(p)
+    with pytest.raises(ConfigError, match=r"out for none \(None in Python\)"):
+        GuardConfig(slow_step_abs_s="none")
+    p.write_text("slow_step_abs_s = 2.5\n")
+    assert GuardConfig.from_toml(p).slow_step_abs_s == 2.5
+    assert GuardConfig.from_toml(tmp_path / "c.toml").cpu_memory_budget_bytes is None

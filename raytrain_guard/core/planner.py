@@ -358,6 +358,8 @@ def _bucket_plan(model: ModelStats, setup: TrainingSetup, config: GuardConfig,
     if model.num_trainable_params == 0:
         notes.append("no trainable parameters: no gradient buckets")
         return None
+    if setup.world_size == 1:   # the memory model's note says why: no DDP wrapper, no buckets
+        return None
     elem = PARAM_BYTES[setup.precision]
     smallest = config.num_buckets_in_flight * MiB / 16
     if slack < smallest:
