@@ -8,14 +8,23 @@ and active decisions (or the raw dict with ``--json``).
 Ray 2.60 turns token authentication on when a cluster has a token; a client must then run with
 ``RAY_AUTH_MODE=token``. :func:`enable_token_auth_if_token_exists` sets it for the user when a
 token exists and the variable is unset.
+
+An explicit ``--address`` is checked first (:func:`check_reachable`: the host resolves and
+something listens on the port), so a wrong address fails in a second with one line. Past that
+check, :data:`GCS_CONNECT_ENV` bounds Ray's own connection attempt (left alone, it retries an
+address that is not a Ray cluster for minutes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import os
 import pathlib
-from typing import Any, Mapping, MutableMapping
+import socket
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any
 
 from raytrain_guard.cluster.client import COORDINATOR_PREFIX
 from raytrain_guard.errors import InputError
@@ -24,9 +33,125 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "raytrain_guard"
 
+#: Ray's GCS connection knobs while ``status`` connects (environment variables Ray reads when
+#: its client starts; a value the user set wins). Ray's defaults retry an address that is not a
+#: Ray cluster 20 times, each two 5 s connects (GCS, pubsub) and a 30 s wait for the cluster
+#: id: over ten minutes. With these, one try: about 12 s, plus the import of Ray.
+GCS_CONNECT_ENV = {
+    "RAY_gcs_rpc_server_connect_timeout_s": "4",   # one connect attempt (Ray's default 5)
+    "RAY_py_gcs_connect_timeout_s": "4",           # wait for the cluster id (Ray's default 30)
+    "RAY_gcs_server_port_wait_time_s": "1",        # attempts of ray.init's loop (default 20)
+}
+
+#: how long :func:`check_reachable` waits for a TCP connection to ``--address``
+PROBE_TIMEOUT_S = 3.0
+
+_ADDRESS_FIX = ("start the cluster (ray start --head) or pass the address it printed, "
+                "host:port of the head (port 6379 by default)")
+
 
 class NoCoordinatorError(InputError):
     """No (or more than one) live coordinator matches what the user asked for."""
+
+
+class ClusterUnreachableError(InputError):
+    """``--address`` names no reachable Ray cluster (the CLI exits 2 with one line)."""
+
+
+def split_address(address: str | None) -> tuple[str, int] | None:
+    """``(host, port)`` of an explicit cluster address; None for ``auto``/``local``/none (pure).
+
+    Takes ``host:port``, ``[v6]:port`` and ``ray://host:port`` (Ray Client). An ``http(s)://``
+    address is the dashboard's (``ray job submit``), not a cluster address: refused with the fix.
+    """
+    if address is None or address.strip() in ("", "auto", "local"):
+        return None
+    text = address.strip()
+    scheme, sep, rest = text.partition("://")
+    if sep:
+        if scheme.lower() in ("http", "https"):
+            raise ClusterUnreachableError(
+                "--address", "an http address is the dashboard's (for ray job submit), not the "
+                "cluster's", value=address, fix="pass the head's host:port (port 6379 by "
+                "default), e.g. --address 10.0.0.1:6379")
+        if scheme.lower() != "ray":
+            raise ClusterUnreachableError("--address", f"unknown scheme {scheme}://",
+                                          value=address, fix="pass host:port, e.g. "
+                                          "--address 10.0.0.1:6379")
+        text = rest
+    text = text.rstrip("/")
+    host, colon, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClusterUnreachableError("--address", "needs host:port", value=address,
+                                      fix="pass e.g. --address 10.0.0.1:6379, or leave it out "
+                                      "to find a cluster started on this machine")
+    return host, int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_reachable(address: str | None, *, timeout_s: float = PROBE_TIMEOUT_S,
+                    connect: Callable[..., Any] = socket.create_connection,
+                    local_ip: Callable[[], str] | None = None) -> None:
+    """Raise :class:`ClusterUnreachableError` unless the host of ``address`` resolves and a TCP
+    connection to its port opens within ``timeout_s``. ``None``/``auto``/``local``: no check.
+
+    Ray connects to this machine's node IP when given a loopback host, so for a loopback host
+    the node IP (``local_ip()``, default Ray's) counts too. ``connect`` is the seam for tests.
+    """
+    parsed = split_address(address)
+    if parsed is None:
+        return
+    host, port = parsed
+    hosts = [host]
+    if _is_loopback(host):
+        with contextlib.suppress(Exception):   # best effort: the loopback probe still counts
+            hosts.append((local_ip or _node_ip)())
+    reasons = []
+    for candidate in hosts:
+        try:
+            with connect((candidate, port), timeout=timeout_s):
+                return
+        except socket.gaierror:
+            raise ClusterUnreachableError("--address", f"unknown host {host!r}", value=address,
+                                          fix=_ADDRESS_FIX) from None
+        except TimeoutError:
+            reasons.append(f"no answer within {timeout_s:g} s")
+        except OSError as exc:
+            reasons.append(exc.strerror or type(exc).__name__)
+    raise ClusterUnreachableError(
+        "--address", f"nothing listens on that port ({reasons[0].lower()})",
+        value=address, fix=_ADDRESS_FIX)
+
+
+def _node_ip() -> str:
+    import ray.util
+    return ray.util.get_node_ip_address()
+
+
+@contextlib.contextmanager
+def _gcs_connect_env(environ: MutableMapping[str, str] | None = None) -> Iterator[None]:
+    """:data:`GCS_CONNECT_ENV` in the environment (values already set win), restored after."""
+    env = os.environ if environ is None else environ
+    added = [k for k in GCS_CONNECT_ENV if k not in env]
+    for k in added:
+        env[k] = GCS_CONNECT_ENV[k]
+    if added and environ is None:
+        _refresh_ray_config()        # Ray re-reads its config (if it was imported)
+    try:
+        yield
+    finally:
+        for k in added:
+            env.pop(k, None)
 
 
 def enable_token_auth_if_token_exists(environ: MutableMapping[str, str] | None = None,
@@ -47,17 +172,18 @@ def enable_token_auth_if_token_exists(environ: MutableMapping[str, str] | None =
     if has_token:
         env["RAY_AUTH_MODE"] = "token"
         if environ is None:
-            _refresh_ray_auth_config()
+            _refresh_ray_config()
     return has_token
 
 
-def _refresh_ray_auth_config() -> None:
-    """Ray reads RAY_AUTH_MODE into a cached config when imported; re-read it if it was."""
+def _refresh_ray_config() -> None:
+    """Ray reads its ``RAY_*`` variables (RAY_AUTH_MODE, the GCS timeouts) into a cached config
+    when imported; re-read them if it was."""
     import sys
     if "ray._raylet" not in sys.modules:
         return
     try:
-        from ray._raylet import Config   # private; what Ray itself calls after setting the mode
+        from ray._raylet import Config  # private; what Ray itself calls after setting the mode
         Config.initialize("")
     except Exception as exc:  # noqa: BLE001 - feature check: older/newer Ray
         logger.debug("could not refresh Ray's auth config: %r", exc)
@@ -90,12 +216,26 @@ def _choices(runs: list[str]) -> str:
 
 def read_status(address: str | None, namespace: str, run_id: str | None = None,
                 timeout_s: float = 15.0) -> dict[str, Any]:
-    """Connect, find the coordinator, return its ``status()`` (the one function using ray.get)."""
+    """Connect, find the coordinator, return its ``status()`` (the one function using ray.get).
+
+    Raises :class:`ClusterUnreachableError` (an :class:`InputError` naming ``--address``) when
+    no cluster answers, within about :data:`PROBE_TIMEOUT_S` for an address where nothing
+    listens and about 15 s (:data:`GCS_CONNECT_ENV`) for one that is not a Ray cluster.
+    """
     enable_token_auth_if_token_exists()       # before Ray reads its config
+    check_reachable(address)
     import ray
 
-    ray.init(address=address or "auto", namespace=namespace, logging_level=logging.WARNING,
-             log_to_driver=False, ignore_reinit_error=True)
+    try:
+        with _gcs_connect_env():
+            ray.init(address=address or "auto", namespace=namespace,
+                     logging_level=logging.WARNING, log_to_driver=False,
+                     ignore_reinit_error=True)
+    except ConnectionError as exc:
+        raise ClusterUnreachableError(
+            "--address", f"cannot connect: {str(exc).rstrip('.')}", value=address,
+            fix=_ADDRESS_FIX if address else "start a cluster (ray start --head), or pass "
+            "--address host:port of a running one") from None
     try:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a.get("namespace") == namespace]
@@ -132,7 +272,8 @@ def _rows(block: Any) -> list[tuple[str, Mapping[str, Any]]]:
 
 
 def format_status(status: Mapping[str, Any]) -> str:
-    """A human page of the coordinator's status; unknown keys are listed at the end."""
+    """A human page of the coordinator's status. Debug counters (reports, rounds, the actor's
+    incarnation) and keys it does not know stay out of it: ``--json`` has everything."""
     lines = [f"coordinator {status.get('coordinator', '?')}"
              + (f"  run {status['run_id']}" if status.get("run_id") else "")
              + (f"  latest step {status['latest_step']}"
@@ -140,8 +281,6 @@ def format_status(status: Mapping[str, Any]) -> str:
              + (f"  step p50 {_fmt(status.get('step_p50_s'))} s p99 "
                 f"{_fmt(status.get('step_p99_s'))} s"
                 if status.get("step_p50_s") is not None else "")]
-    shown = {"coordinator", "run_id", "latest_step", "step_p50_s", "step_p99_s", "nodes", "ranks", "stragglers",
-             "straggler_scores", "decisions", "active_decisions"}
     nodes = _rows(status.get("nodes"))
     lines.append(f"\nnodes ({len(nodes)})")
     for key, node in nodes:
@@ -177,9 +316,32 @@ def format_status(status: Mapping[str, Any]) -> str:
                          f"{d.get('step', '-')} [{d.get('scope', '-')}]: {d.get('reason', '')}")
         else:
             lines.append(f"  {d}")
-    rest = {k: v for k, v in status.items() if k not in shown}
-    if rest:
-        lines.append("")
-        for k, v in rest.items():
-            lines.append(f"{k}: {v}")
+    lines += _user_notes(status)
     return "\n".join(lines)
+
+
+#: what each ignored-report counter means to a reader of the status page
+_IGNORED_MEANING = {"stale": "from an earlier attempt of the run",
+                    "duplicate": "a batch already received",
+                    "out_of_order": "steps already received from that rank",
+                    "malformed": "unreadable"}
+
+
+def _user_notes(status: Mapping[str, Any]) -> list[str]:
+    """The rest of the status that a user acts on, in words: a restarted worker group, straggler
+    nodes, the policy's notes, reports the coordinator dropped. Counters and the actor's
+    incarnation (for debugging the guard itself) are left to ``--json``."""
+    lines = []
+    attempt = status.get("attempt")
+    if isinstance(attempt, int) and attempt > 1:
+        lines.append(f"attempt {attempt}: the worker group restarted {attempt - 1} time(s)")
+    if status.get("straggler_nodes"):
+        lines.append("straggler nodes: " + ", ".join(str(n) for n in status["straggler_nodes"]))
+    for note in status.get("notes") or []:
+        lines.append(f"note: {note}")
+    ignored = status.get("ignored")
+    if isinstance(ignored, Mapping) and any(ignored.values()):
+        lines.append("ignored reports: " + ", ".join(
+            f"{n} {k.replace('_', ' ')} ({_IGNORED_MEANING.get(k, k)})"
+            for k, n in ignored.items() if n))
+    return [""] + lines if lines else []
