@@ -14,12 +14,13 @@ import functools
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import ray  # noqa: E402
+import ray  # noqa: E402, I001 - the local toy module stays apart from the libraries
 from ray import cloudpickle  # noqa: E402
 from ray.train import RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
@@ -34,11 +35,13 @@ def main() -> int:
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--gpu", action="store_true")
-    parser.add_argument("--storage", default=None, help="checkpoint storage (default: a temp dir)")
+    parser.add_argument("--storage", default=None,
+                        help="keep checkpoints here (default: a temp dir, removed at the end)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     cloudpickle.register_pickle_by_value(toy)      # the workers need not import this folder
+    storage = args.storage or tempfile.mkdtemp(prefix="rtg-")
     ray.init(address="local", num_cpus=max(4, args.workers + 2), include_dashboard=False)
     try:
         trainer = TorchTrainer(
@@ -53,18 +56,22 @@ def main() -> int:
                 "guard": {"memory_watermark_frac": 0.88},
             },
             scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.gpu),
-            run_config=RunConfig(name="guarded_train",
-                                 storage_path=args.storage or tempfile.mkdtemp(prefix="rtg-")))
+            run_config=RunConfig(name="guarded_train", storage_path=storage))
         result = trainer.fit()
     finally:
         ray.shutdown()
+        if args.storage is None:
+            shutil.rmtree(storage, ignore_errors=True)
     results = json.loads(result.metrics["results"])
+    kept = (f"checkpoint at {result.checkpoint.path}" if args.storage else
+            "checkpoints in a temp dir, removed (pass --storage DIR to keep them)")
     print(f"trained {results['step']} of {results['total_steps']} steps, final loss "
-          f"{result.metrics['loss']:.4f}, checkpoint at {result.checkpoint.path}")
+          f"{result.metrics['loss']:.4f}, {kept}")
     if results["bandwidth"]:
         bw = results["bandwidth"]
         print("allreduce bandwidth (GB/s) by message size:",
-              dict(zip(bw["sizes_bytes"], bw["bus_gbps"])), f"knee {bw['knee_bytes']} B")
+              dict(zip(bw["sizes_bytes"], bw["bus_gbps"], strict=True)),
+              f"knee {bw['knee_bytes']} B")
     print("bucket plan:", results["bucket_plan"]["reason"])
     print("model:", results["model"], "buckets:", results["bucket_layout"])
     for a in results["attribution"]:

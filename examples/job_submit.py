@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 
 import examples.toy as toy  # noqa: E402
-from raytrain_guard.cluster.launcher import launch, progress_line  # noqa: E402
+from raytrain_guard.cluster.launcher import PlanDoesNotFit, ProgressPrinter, launch  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,12 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     gpu_mem = parse_bytes(args.gpu_mem, field="--gpu-mem") if args.gpu_mem else None
     if args.gpu and gpu_mem is None:
         print("--gpu without --gpu-mem: launching without a capacity plan", flush=True)
-    summary = launch(config, num_workers=args.workers, use_gpu=args.gpu,
-                     namespace=args.namespace, device_memory_bytes=gpu_mem,
-                     plan=False if args.gpu and gpu_mem is None else None,
-                     storage_path=args.storage_path,
-                     progress=lambda s: print(progress_line(s), flush=True),
-                     progress_interval_s=2.0)
+    try:
+        summary = launch(config, num_workers=args.workers, use_gpu=args.gpu,
+                         namespace=args.namespace, device_memory_bytes=gpu_mem,
+                         plan=False if args.gpu and gpu_mem is None else None,
+                         storage_path=args.storage_path,
+                         progress=ProgressPrinter(sys.stdout),  # a line per new step
+                         progress_interval_s=2.0,
+                         fixes=("lower micro_batch in this script's config, or find a setup "
+                                "that fits with `raytrain-guard plan` and set it there",))
+    except PlanDoesNotFit as exc:
+        print(exc, file=sys.stderr)
+        return 1
     print(summary.format())
     if args.summary_json:
         with open(args.summary_json, "w") as fh:

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_guard.cluster.launcher import (PlanDoesNotFit, RunSummary, check_plan,
-                                             merge_applied, progress_line, summarize)
+from raytrain_guard.cluster.launcher import (
+    PlanDoesNotFit,
+    RunSummary,
+    check_plan,
+    merge_applied,
+    progress_line,
+    summarize,
+)
+
+NODE = "9e7532"
 
 
 def test_merge_applied_groups_cluster_decisions_by_id_and_keeps_local_ones_per_rank():
@@ -21,6 +29,59 @@ def test_merge_applied_groups_cluster_decisions_by_id_and_keeps_local_ones_per_r
     merged = merge_applied(logs)
     assert [(m["decision_id"], m["steps"], m["ranks"]) for m in merged] == [
         (7, [20], [0, 1]), (0, [31], [1])]
+
+
+def test_merge_applied_keeps_each_ranks_own_gate_decisions_apart():
+    # each rank's gate numbers its decisions from 1: rank 0's #1 and rank 1's #1 are two
+    # events at different steps, not one decision "on ranks [0, 1]"
+    logs = [
+        {"decision_id": 1, "action": "slow_step", "scope": "rank", "reason": "rank 0 slow",
+         "applied_at": 12, "world_rank": 0},
+        {"decision_id": 1, "action": "slow_step", "scope": "rank", "reason": "rank 1 slow",
+         "applied_at": 31, "world_rank": 1},
+    ]
+    assert [(m["ranks"], m["steps"], m["reason"]) for m in merge_applied(logs)] == [
+        ([0], [12], "rank 0 slow"), ([1], [31], "rank 1 slow")]
+
+
+def test_merge_applied_lists_only_the_ranks_a_node_decision_was_for():
+    # a set_prefetch for node n2 is seen by every rank; only n2's rank applies it
+    logs = [{"decision_id": 9, "action": "set_prefetch", "scope": "node:n2", "applied_at": 30,
+             "world_rank": r, "applied": r == 1} for r in (0, 1)]
+    assert [(m["decision_id"], m["ranks"]) for m in merge_applied(logs)] == [(9, [1])]
+
+
+def test_summary_files_events_under_detections_and_applied_actions_under_decisions():
+    """slow_step (a rank's gate) and flag_straggler (the coordinator) report what was seen;
+    release_cache changes the run. A flagged node is not listed twice."""
+    decisions = [
+        *({"decision_id": 1, "action": "slow_step", "scope": "rank", "applied_at": 12 + r,
+           "world_rank": r, "reason": f"rank {r} steps 10-12: 3 slow steps in a row"}
+          for r in (0, 1)),
+        *({"decision_id": 77, "action": "release_cache", "scope": "cluster", "applied_at": 20,
+           "world_rank": r, "reason": "GPU 0 at 89%"} for r in (0, 1)),
+        *({"decision_id": 78, "action": "flag_straggler", "scope": f"node:{NODE}",
+           "applied_at": 40, "world_rank": r, "params": {"node_id": NODE},
+           "reason": f"node {NODE} is a straggler; recommend draining the node"}
+          for r in (0, 1)),
+    ]
+    s = summarize("r", {"step": 50, "world_size": 2, "decisions": decisions},
+                  {"straggler_nodes": [NODE, "n3"]}, wall_s=5.0, global_batch=16)
+    assert [d["action"] for d in s.decisions] == ["release_cache"]
+    assert s.detections == (
+        "rank 0 steps 10-12: 3 slow steps in a row", "rank 1 steps 10-12: 3 slow steps in a row",
+        f"flag_straggler at step 40: node {NODE} is a straggler; recommend draining the node",
+        "straggler node n3")
+    text = s.format()
+    assert "detections   4" in text and "decisions    1" in text
+    assert "#77 release_cache at step 20 on ranks [0, 1]: GPU 0 at 89%" in text
+
+
+def test_a_ranks_own_gate_action_is_shown_as_that_ranks():
+    s = summarize("r", {"step": 5, "decisions": [
+        {"decision_id": 2, "action": "release_cache", "scope": "rank", "applied_at": 4,
+         "world_rank": 1, "reason": "rank 1 at 91%"}]}, {}, wall_s=1.0)
+    assert "    - release_cache at step 4 on rank 1 (its own gate): rank 1 at 91%" in s.format()
 
 
 def test_merge_applied_shows_a_split_decision():
@@ -49,8 +110,18 @@ def test_progress_line():
     status = {"latest_step": 40, "ranks": {0: {"memory_frac": 0.5}, 1: {"memory_frac": 0.7}},
               "step_p50_s": 0.1, "step_p99_s": 0.3, "active_decisions": [{}]}
     line = progress_line(status, 200, started=10.0, clock=lambda: 25.0)
-    assert line == ("step 40/200 | 2 ranks | step p50 0.100 s p99 0.300 s | memory 70% | "
-                    "decisions 1 | 15 s")
+    assert line == ("step 40/200 | 2 ranks | step p50 0.100 s p99 0.300 s | rank mem 70% | "
+                    "active decisions 1 | 15 s")
+
+
+def test_progress_line_says_which_memory():
+    # the ranks' own figure (4 %, a CPU process of its RAM budget) and the node monitors' GPU
+    # (89 %, what the summary's release_cache reason quotes) are two different numbers
+    status = {"latest_step": 9, "ranks": {0: {"memory_frac": 0.04}},
+              "nodes": {"n1": {"gpus": [{"memory_frac": 0.5}, {"memory_frac": 0.89}]},
+                        "n2": {"gpus": []}}}
+    assert progress_line(status) == ("step 9 | 1 ranks | step time - | rank mem 4% | "
+                                     "node GPU mem 89% | active decisions 0")
 
 
 class _Plan:
@@ -69,9 +140,19 @@ def test_check_plan_refuses_with_the_arithmetic_unless_forced():
     with pytest.raises(PlanDoesNotFit) as err:
         check_plan(_Plan(fits=False), force=False)
     assert "3.0 GiB > 2.0 GiB budget" in str(err.value) and "use fsdp-full" in str(err.value)
+    assert "force=True" in str(err.value) and "--force" not in str(err.value)   # no such flag
     assert check_plan(_Plan(fits=False), force=True).endswith("(forced)")
     assert check_plan(_Plan(fits=True), force=False).startswith("fits: micro_batch 8 x "
                                                                 "grad_accum 2 x 4 ranks")
+
+
+def test_check_plan_gives_the_callers_own_fixes_instead_of_the_planners():
+    # the demo has no --strategy and no force: it says what its own user can change
+    with pytest.raises(PlanDoesNotFit) as err:
+        check_plan(_Plan(fits=False), force=False, fixes=("pass --workers 3 or fewer",))
+    assert str(err.value) == ("the capacity plan does not fit:\n"
+                              "static 2.0 GiB + activations 1.0 GiB = 3.0 GiB > 2.0 GiB budget\n"
+                              "  - pass --workers 3 or fewer")
 
 
 def test_run_summary_round_trips_to_dict():

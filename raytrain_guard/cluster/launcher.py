@@ -10,7 +10,8 @@
 
 1. plans first (:func:`plan_run`: the user's model traced on the fake device, then
    :func:`raytrain_guard.core.planner.plan`) and refuses a plan that does not fit with
-   :class:`PlanDoesNotFit` (the arithmetic and the fixes), unless ``force=True``;
+   :class:`PlanDoesNotFit` (the arithmetic and the fixes: the planner's, or the caller's own
+   ``fixes`` when its interface has other options), unless ``force=True``;
 2. starts one node monitor per node and the run's coordinator
    (:mod:`raytrain_guard.cluster.actors`);
 3. runs a ``TorchTrainer`` with the shared train loop
@@ -19,28 +20,35 @@
    coordinator and applies its decisions in lockstep; a progress callback sees the
    coordinator's status every ``progress_interval_s`` meanwhile;
 4. tears the actors down, also when training fails;
-5. returns a :class:`RunSummary` (steps, throughput, step p50/p99, data wait, detections,
-   decisions).
+5. returns a :class:`RunSummary` (steps, throughput, step p50/p99, data wait, detections:
+   what was seen, decisions: the actions applied).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, TextIO
 
 from raytrain_guard.cluster.client import ClusterDecisionSource
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.decisions import Action
 from raytrain_guard.errors import GuardError, InputError
 from raytrain_guard.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "raytrain_guard"
+
+#: actions that report what was seen rather than change the run: the summary lists them under
+#: detections (a rank's slow steps, a straggler node to drain); the rest are decisions applied
+EVENT_ACTIONS = frozenset({Action.SLOW_STEP.value, Action.FLAG_STRAGGLER.value})
 
 
 class PlanDoesNotFit(GuardError):
@@ -96,12 +104,25 @@ class RunSummary:
         lines.append(f"  detections   {len(self.detections)}")
         lines += [f"    - {d}" for d in self.detections]
         lines.append(f"  decisions    {len(self.decisions)}")
-        for d in self.decisions:
-            ranks = d.get("ranks")
-            lines.append(f"    - #{d.get('decision_id')} {d.get('action')} at step "
-                         f"{d.get('applied_at')}" + (f" on ranks {ranks}" if ranks else "")
-                         + f": {d.get('reason')}")
+        lines += [f"    - {decision_line(d)}" for d in self.decisions]
         return "\n".join(lines)
+
+
+def _is_local(d: Mapping[str, Any]) -> bool:
+    """A decision of one rank's own gate (scope ``rank``; its id counts per rank), not one of
+    the coordinator (scope ``cluster`` or ``node:<id>``, one id for every rank)."""
+    return d.get("scope") == "rank" or not d.get("decision_id")
+
+
+def decision_line(d: Mapping[str, Any]) -> str:
+    """One merged decision (:func:`merge_applied`) as the summary shows it (pure)."""
+    ranks = d.get("ranks") or []
+    if _is_local(d):
+        where = f" on rank {ranks[0]} (its own gate)" if len(ranks) == 1 else \
+            (f" on ranks {ranks} (their own gates)" if ranks else "")
+        return f"{d.get('action')} at step {d.get('applied_at')}{where}: {d.get('reason')}"
+    return (f"#{d.get('decision_id')} {d.get('action')} at step {d.get('applied_at')}"
+            + (f" on ranks {ranks}" if ranks else "") + f": {d.get('reason')}")
 
 
 # -- planning ----------------------------------------------------------------------------------
@@ -119,8 +140,8 @@ def plan_run(train_loop_config: Mapping[str, Any], *, num_workers: int,
     import os
 
     from raytrain_guard.core.memory_model import TrainingSetup
-    from raytrain_guard.host_memory import host_memory
     from raytrain_guard.core.planner import plan
+    from raytrain_guard.host_memory import host_memory
     from raytrain_guard.runtime.train_loop import LoopConfig
     from raytrain_guard.trace import trace_model
 
@@ -180,16 +201,23 @@ def _optimizer_kind(optimizer_factory: Callable[[Any], Any]) -> str:
     return "adam" if name == "adam" else "adamw"
 
 
-def check_plan(plan: Any, *, force: bool) -> str:
-    """One line for the summary; raises :class:`PlanDoesNotFit` unless it fits or ``force``."""
+def check_plan(plan: Any, *, force: bool, fixes: Sequence[str] | None = None) -> str:
+    """One line for the summary; raises :class:`PlanDoesNotFit` unless it fits or ``force``.
+
+    The message is the plan's arithmetic and what would make it fit. By default that is the
+    planner's advice, which speaks of the planner's options (``--strategy``, ``--precision``,
+    ``--workers`` of ``raytrain-guard plan``), and ``force=True``. A caller whose user has other
+    options passes ``fixes``, in that user's words (``("pass --workers 20 or fewer",)``): they
+    replace the planner's advice and the ``force`` hint.
+    """
     line = (f"{'fits' if plan.fits else 'DOES NOT FIT'}: micro_batch {plan.micro_batch} x "
             f"grad_accum {plan.grad_accum} x {plan.setup.world_size} ranks; "
             f"{format_bytes(plan.total_bytes)} of {format_bytes(plan.budget_bytes)} budget")
     if plan.fits:
         return line
     message = ("the capacity plan does not fit:\n" + plan.arithmetic
-               + "".join(f"\n  - {w}" for w in plan.warnings)
-               + "\npass force=True (--force) to launch anyway")
+               + "".join(f"\n  - {a}" for a in (plan.warnings if fixes is None else fixes))
+               + ("\npass force=True to launch anyway" if fixes is None else ""))
     if not force:
         raise PlanDoesNotFit(message, plan)
     logger.warning("%s\nlaunching anyway (force=True)", message)
@@ -207,8 +235,8 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
            placement_strategy: str = "PACK", probe_factory: Any = None,
            progress: Callable[[Mapping[str, Any]], None] | None = None,
            progress_interval_s: float = 2.0,
-           decision_source: Callable[[str, str, Mapping[str, Any]], Any] | None = None
-           ) -> RunSummary:
+           decision_source: Callable[[str, str, Mapping[str, Any]], Any] | None = None,
+           fixes: Sequence[str] | None = None) -> RunSummary:
     """Plan, start the guard's actors, train, tear down, summarize (see the module docstring).
 
     ``plan``: a planner :class:`Plan` to use instead of tracing the model (``False``: skip
@@ -218,6 +246,7 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     that one, so thresholds and K agree everywhere. Ray is initialized (locally, in ``namespace``)
     unless the caller already did. ``decision_source(run_id, namespace, guard) -> source``
     replaces the default :class:`ClusterDecisionSource` (e.g. a subclass that logs timings).
+    ``fixes``: what the caller's user can change when the plan does not fit (:func:`check_plan`).
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -233,7 +262,7 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     if plan is None:
         plan = plan_run(train_loop_config, num_workers=num_workers, use_gpu=use_gpu,
                         device_memory_bytes=device_memory_bytes, config=config)
-    plan_line = check_plan(plan, force=force) if plan is not False else ""
+    plan_line = check_plan(plan, force=force, fixes=fixes) if plan is not False else ""
     if plan_line:
         logger.info("plan: %s", plan_line)
 
@@ -321,9 +350,14 @@ def summarize(run_id: str, results: Mapping[str, Any], status: Mapping[str, Any]
     loop_wall = float(results.get("wall_s") or wall_s)
     fracs = [lo["data_wait_frac"] for lo in loaders
              if isinstance(lo, Mapping) and lo.get("data_wait_frac") is not None]
+    merged = merge_applied(results.get("decisions"))
+    events = [m for m in merged if m.get("action") in EVENT_ACTIONS]
     detections = [a["reason"] for a in results.get("attribution") or []
                   if a.get("role") not in (None, "normal")]
-    detections += [f"straggler node {n}" for n in status.get("straggler_nodes") or []]
+    detections += [event_line(e) for e in events]
+    flagged = {(e.get("params") or {}).get("node_id") for e in events}
+    detections += [f"straggler node {n}" for n in status.get("straggler_nodes") or []
+                   if n not in flagged]
     detections += list(status.get("notes") or [])
     if status.get("coordinator_lost"):
         detections.append("coordinator unreachable at the end of the run (training went on "
@@ -336,31 +370,45 @@ def summarize(run_id: str, results: Mapping[str, Any], status: Mapping[str, Any]
         step_p50_s=status.get("step_p50_s"), step_p99_s=status.get("step_p99_s"),
         data_wait_frac=round(sum(fracs) / len(fracs), 4) if fracs else None,
         stopped_early=bool(results.get("stopped_early")), stop_reason=results.get("stop_reason"),
-        detections=tuple(detections), decisions=tuple(merge_applied(results.get("decisions"))),
+        detections=tuple(detections),
+        decisions=tuple(m for m in merged if m.get("action") not in EVENT_ACTIONS),
         plan=plan_line, coordinator=dict(status))
 
 
 def merge_applied(decisions: Any) -> list[dict[str, Any]]:
-    """Per-rank applied decisions (train loop records) -> one entry per decision (pure).
+    """Per-rank decision records (the train loop's) -> one entry per decision (pure).
 
-    Cluster decisions (``decision_id`` > 0) are merged across ranks with the steps they were
-    applied at (one step when lockstep worked) and the ranks; local gate decisions are kept
-    per rank.
+    Coordinator decisions (scope ``cluster`` or ``node:<id>``) are merged by id across ranks,
+    with the steps they were applied at (one step when lockstep worked) and the ranks that
+    applied them (a node's decision seen by other nodes' ranks, ``applied`` False, is not theirs).
+    A rank's own gate decisions (scope ``rank``; their ids count per rank, so rank 0's #1 is not
+    rank 1's #1) stay one entry per rank.
     """
     merged: dict[Any, dict[str, Any]] = {}
     for d in decisions or []:
         if not isinstance(d, Mapping):
             continue
         did = d.get("decision_id") or 0
-        key = did if did else ("local", d.get("world_rank"), d.get("applied_at"), d.get("action"))
+        key = (("local", d.get("world_rank"), did, d.get("applied_at"), d.get("action"))
+               if _is_local(d) else did)
         entry = merged.setdefault(key, {"decision_id": did, "action": d.get("action"),
                                         "reason": d.get("reason"), "scope": d.get("scope"),
+                                        "params": dict(d.get("params") or {}),
                                         "applied_at": d.get("applied_at"), "ranks": [],
                                         "steps": []})
+        if d.get("applied") is False:
+            continue
         entry["ranks"].append(d.get("world_rank"))
         if d.get("applied_at") not in entry["steps"]:
             entry["steps"].append(d.get("applied_at"))
     return list(merged.values())
+
+
+def event_line(e: Mapping[str, Any]) -> str:
+    """A merged event (``slow_step``, ``flag_straggler``) as a detection line (pure)."""
+    if e.get("action") == Action.SLOW_STEP.value:
+        return str(e.get("reason"))        # "rank 1 steps 31-33: 3 slow steps in a row (...)"
+    return f"{e.get('action')} at step {e.get('applied_at')}: {e.get('reason')}"
 
 
 class _ProgressWatcher:
@@ -412,19 +460,59 @@ class _ProgressWatcher:
 def progress_line(status: Mapping[str, Any], total_steps: int | None = None,
                   started: float | None = None, clock: Callable[[], float] = time.monotonic
                   ) -> str:
-    """A one-line live view of a coordinator status (pure, given the clock)."""
+    """A one-line live view of a coordinator status (pure, given the clock).
+
+    ``rank mem``: the highest of the ranks' own memory figures (device memory; on CPU the
+    process against its RAM budget). ``node GPU mem``: the fullest GPU the node monitors read,
+    when they read any. ``active decisions``: those still to apply or in force (the coordinator's
+    ``active_decisions``), so the count goes down as well as up; the summary lists every one.
+    """
     step = status.get("latest_step")
     ranks = status.get("ranks") or {}
     mem = [r.get("memory_frac") for r in ranks.values()
            if isinstance(r, Mapping) and r.get("memory_frac") is not None]
+    nodes = status.get("nodes") or {}
+    gpu = [g.get("memory_frac") for n in nodes.values() if isinstance(n, Mapping)
+           for g in n.get("gpus") or () if isinstance(g, Mapping)
+           and g.get("memory_frac") is not None]
     p50, p99 = status.get("step_p50_s"), status.get("step_p99_s")
     parts = [f"step {'-' if step is None else step}"
              + (f"/{total_steps}" if total_steps else ""),
              f"{len(ranks)} ranks",
              f"step p50 {p50:.3f} s p99 {p99:.3f} s" if p50 is not None and p99 is not None
              else "step time -",
-             f"memory {max(mem):.0%}" if mem else "memory -",
-             f"decisions {len(status.get('active_decisions') or [])}"]
+             # a rank's own figure: its device memory, or on CPU its process of its RAM budget
+             f"rank mem {max(mem):.0%}" if mem else "rank mem -"]
+    if gpu:
+        parts.append(f"node GPU mem {max(gpu):.0%}")       # the node monitors' NVML reading
+    parts.append(f"active decisions {len(status.get('active_decisions') or [])}")
     if started is not None:
         parts.append(f"{clock() - started:.0f} s")
     return " | ".join(parts)
+
+
+class ProgressPrinter:
+    """A ``progress`` callback for :func:`launch` that writes :func:`progress_line` to ``out``:
+    on a terminal one line redrawn in place (cut to the terminal's width, so a narrow one does
+    not wrap it into copies); in a log, a line each time the step moves on (the same step is
+    not written again while the run ends)."""
+
+    def __init__(self, out: TextIO, total_steps: int | None = None,
+                 started: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.out, self.total_steps, self.started, self.clock = out, total_steps, started, clock
+        self.tty = out.isatty()
+        self._last_step: Any = ...
+
+    def __call__(self, status: Mapping[str, Any]) -> None:
+        line = progress_line(status, self.total_steps, self.started, self.clock)
+        if self.tty:
+            width = shutil.get_terminal_size((100, 24)).columns - 1
+            self.out.write("\r" + line[:width] + "\x1b[K")
+        else:
+            step = status.get("latest_step")
+            if step == self._last_step:
+                return
+            self._last_step = step
+            self.out.write(line + "\n")
+        self.out.flush()
