@@ -213,6 +213,7 @@ def _loop_main(rank: int, port: int, out_dir: str) -> None:
         json.dump({"rounds": results["control_rounds"], "steps": results["step"],
                    "side_group": loop.control.group is not None,
                    "pace": loop.guard.pace_delay_s,
+                   "final_results": "results" in loop.reporter.reports[-1],
                    "decisions": [(d["decision_id"], d["applied_at"], d["applied"])
                                  for d in mine]}, fh)
     dist.destroy_process_group()
@@ -233,6 +234,9 @@ def test_loop_runs_one_control_round_per_k_steps(tmp_path):
         # the PACE for this node ("here", the worker context's) paces both ranks from step 8
         assert got["decisions"] == [[3, 4, True], [4, 4, False], [5, 8, True]], got
         assert got["pace"] == 0.001
+        # the final report carries the run's results on rank 0 only (Ray keeps rank 0's metrics
+        # and logs every rank's report)
+        assert got["final_results"] is (rank == 0)
     # the final checkpoint (rank 0 writes it) keeps each rank's pacing sleep, which a resumed
     # run restores (the gate's own "pacing" flag alone did not)
     from raytrain_guard.runtime.checkpoint import read_train_state

@@ -747,7 +747,12 @@ class GuardedTrainLoop:
             "batch_changes": [c for r in per_rank for c in r["batch_changes"]],
             "control_rounds": self.control.num_rounds,    # stop/lockstep allreduces, this rank
         }
-        self._checkpoint({"kind": "final", "results": json.dumps(results, default=str)})
+        # Ray keeps rank 0's metrics (Result.metrics) and logs every rank's report: the results
+        # (the same on every rank, some KB) ride on rank 0's only
+        final = {"kind": "final"}
+        if self.rank == 0:
+            final["results"] = json.dumps(results, default=str)
+        self._checkpoint(final)
         return results
 
     def _device(self) -> Any:
