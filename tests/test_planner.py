@@ -252,3 +252,15 @@ def test_auto_micro_batch_respects_the_host_budget():
     q = _plan(auto_micro_batch=True, sample_bytes=1e6, host_memory_bytes=4 * GiB,
               cpus_per_node=16, global_batch=8)
     assert q.micro_batch == 8 and not any("host prefetch budget" in n for n in q.notes)
+
+
+@pytest.mark.parametrize("strategy, world, adds_ranks", [
+    ("ddp", 1, False), ("ddp", 4, False),         # a DDP replica is as large on any rank count
+    ("zero1", 4, True), ("fsdp-grad-op", 4, True),
+])
+def test_does_not_fit_advice_adds_ranks_only_where_they_shard(strategy, world, adds_ranks):
+    from raytrain_guard.core.memory_model import TrainingSetup
+    from raytrain_guard.core.planner import _fixes_for
+    fixes = _fixes_for(TrainingSetup(strategy=strategy, world_size=world))
+    assert ("add ranks" in fixes) is adds_ranks, fixes
+    assert "fsdp-full" in fixes

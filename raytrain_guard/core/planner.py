@@ -325,7 +325,7 @@ def _fixes_for(setup: TrainingSetup) -> str:
         fixes.append("shard the model (--strategy fsdp-full)")
     if setup.precision.value in ("fp32", "amp-bf16"):
         fixes.append("keep parameters in bf16 (--precision bf16-master)")
-    if setup.world_size > 1 or setup.strategy is not Strategy.DDP:
+    if setup.strategy is not Strategy.DDP:   # a DDP replica is the same size on any rank count
         fixes.append("add ranks to shard over (--workers)")
     fixes += ["recompute activations", "use a card with more memory"]
     return ", ".join(fixes[:-1]) + " or " + fixes[-1]
