@@ -511,16 +511,42 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def config_reference_markdown() -> str:
-    """The README's table of every GuardConfig key: default and the rule it comes from."""
+    """docs/configuration.md: every GuardConfig key with its default and the rule it comes from,
+    from the dataclass metadata (``python docs/generate_configuration.py`` writes the file)."""
     import dataclasses
 
-    lines = ["| key | default | rule |", "|---|---|---|"]
+    lines = [_CONFIG_REFERENCE_HEADER, "| key | default | rule |", "|---|---|---|"]
     for f in dataclasses.fields(GuardConfig):
         default = "none" if f.default is None else str(f.default).lower() \
             if isinstance(f.default, bool) else f"{f.default}"
         doc = " ".join(f.metadata.get("doc", "").split()).replace("|", "\\|")
         lines.append(f"| `{f.name}` | `{default}` | {doc} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
+
+
+_CONFIG_REFERENCE_HEADER = """# Configuration reference
+
+<!-- Generated from GuardConfig's field metadata (raytrain_guard/config.py); do not edit by hand.
+     Regenerate with: python docs/generate_configuration.py -->
+
+One frozen, validated `GuardConfig` holds every threshold. In Python:
+`GuardConfig(headroom_frac=0.2)`; in a train loop config: `"guard": {"headroom_frac": 0.2}`; on
+the command line: `raytrain-guard plan --config FILE.toml`.
+
+A TOML file holds top-level keys or a `[raytrain_guard]` table, not both (top-level keys next to
+the table are bad input: they would not be read; other tables, such as another tool's, may sit
+next to it). Unknown keys, out-of-range values and unreadable files are bad input naming the
+file, the key and the fix. TOML has no null: leave a key out for its default `none`.
+
+```toml
+[raytrain_guard]
+headroom_frac = 0.2
+host_prefetch_frac = 0.05
+target_num_buckets = 8
+```
+
+Every key, its default and the rule it comes from:
+"""
 
 
 # -- entry point ---------------------------------------------------------------------------------

@@ -344,12 +344,17 @@ def test_machine_ram_default_is_the_container_limit(monkeypatch):
     assert cli._host_memory() == 2 * 1024**3
 
 
-def test_readme_config_table_is_the_dataclass_metadata():
-    # the README's table is generated from GuardConfig's field docs; a default or rule changed
-    # in one place only fails here (regenerate with the command the README gives)
+def test_configuration_doc_is_the_dataclass_metadata():
+    # docs/configuration.md is generated from GuardConfig's field docs; a default or rule
+    # changed in one place only fails here (regenerate: python docs/generate_configuration.py)
+    import dataclasses
+
     from raytrain_guard.cli import config_reference_markdown
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert config_reference_markdown() in readme
+    from raytrain_guard.config import GuardConfig
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert doc == config_reference_markdown()
+    for f in dataclasses.fields(GuardConfig):       # every key has a row and a rule
+        assert f"| `{f.name}` |" in doc and f.metadata.get("doc")
 
 
 def test_plan_from_sizes_does_not_import_torch_or_ray():
