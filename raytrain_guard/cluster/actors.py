@@ -8,9 +8,11 @@
   ``monitor_interval_s`` and sends its samples to its run's coordinator, fire-and-forget; two
   runs in one namespace each have their own monitors.
   The actor has NodeMonitor's methods plus ``where() -> str`` (the node it runs on).
-* :func:`start_coordinator` (namespace, run_id, config) -> handle: the
+* :func:`start_coordinator` (namespace, run_id, config, run_name=None) -> handle: the
   :class:`~raytrain_guard.cluster.coordinator.Coordinator` named
-  ``raytrain_guard:coordinator:<run id>``, ``num_cpus=0``, ``max_restarts``.
+  ``raytrain_guard:coordinator:<run id>``, ``num_cpus=0``, ``max_restarts``; besides the
+  coordinator's methods it takes stop requests, the ranks' end-of-run summaries and Ray
+  Train's controller events (:class:`_CoordinatorActor`).
 * :func:`stop_all` (namespace, run_id=None): kill the run's monitors and coordinator (every
   run's when None).
 * :func:`register_worker_with_monitor` (namespace, run_id, world_rank): from a train worker,
@@ -143,16 +145,54 @@ class _MonitorActor(NodeMonitor):
 
 
 class _CoordinatorActor(Coordinator):
-    """Coordinator with its Ray metrics created inside the actor."""
+    """Coordinator with its Ray metrics created inside the actor, and what a driver, the train
+    workers and Ray Train's controller hand it besides step reports (the drop-in's channel,
+    :mod:`raytrain_guard.train`):
 
-    def __init__(self, run_id: str, config: GuardConfig, attempt: int) -> None:
+    * ``request_stop(reason) -> dict``: a ``checkpoint_and_stop`` decision for every rank (scope
+      ``cluster``), delivered like any other and applied in lockstep;
+    * ``report_summary(world_rank, summary)`` / ``summaries() -> {rank: summary}``: each rank's
+      end-of-run figures (the latest per rank);
+    * ``record_train_event(event)`` / ``train_events() -> list``: reports and worker exceptions
+      as Ray Train's controller saw them (a ``UserCallback``): attempts and restarts.
+    """
+
+    def __init__(self, run_id: str, config: GuardConfig, attempt: int,
+                 run_name: str | None = None) -> None:
         from raytrain_guard.cluster.metrics import CoordinatorMetrics
         try:
-            metrics = CoordinatorMetrics(run_id)
+            metrics = CoordinatorMetrics(run_id, run_name)
         except Exception as exc:  # noqa: BLE001
             logger.warning("[run %s] Ray metrics unavailable (%r)", run_id, exc)
             metrics = None
         super().__init__(run_id, config, attempt=attempt, metrics=metrics)
+        self._summaries: dict[int, dict] = {}
+        self._train_events: list[dict] = []
+
+    def request_stop(self, reason: str) -> dict:
+        """A ``checkpoint_and_stop`` for every rank, applied at the next agreement step."""
+        from raytrain_guard.core.decisions import Action, Cause, Decision
+        self._next_id += 1
+        decision = Decision(Action.CHECKPOINT_AND_STOP, f"stop requested: {reason}", None,
+                            Cause.UNKNOWN, "cluster", {}, self._next_id)
+        self._decisions.append(decision)
+        logger.warning("[run %s] decision #%d %s", self.run_id, decision.decision_id, decision)
+        if self._metrics is not None:
+            self._safe_metrics(lambda: self._metrics.record_decision(decision))
+        return decision.to_dict()
+
+    def report_summary(self, world_rank: int, summary: dict) -> None:
+        self._summaries[int(world_rank)] = dict(summary)
+
+    def summaries(self) -> dict[int, dict]:
+        return dict(self._summaries)
+
+    def record_train_event(self, event: dict) -> None:
+        self._train_events.append(dict(event))
+        del self._train_events[:-1000]          # bounded: a long run reports often
+
+    def train_events(self) -> list[dict]:
+        return list(self._train_events)
 
 
 def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = None,
@@ -185,13 +225,16 @@ def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = Non
 
 
 def start_coordinator(namespace: str, run_id: str, config: GuardConfig | None = None, *,
-                      attempt: int = 0, max_restarts: int = -1) -> Any:
-    """The run's coordinator actor (``raytrain_guard:coordinator:<run id>``). Idempotent."""
+                      attempt: int = 0, max_restarts: int = -1,
+                      run_name: str | None = None) -> Any:
+    """The run's coordinator actor (``raytrain_guard:coordinator:<run id>``). Idempotent.
+    ``run_name``: Ray Train's run name, the ``ray_train_run_name`` label of its metrics
+    (default: the run id)."""
     import ray
     return ray.remote(_CoordinatorActor).options(
         name=coordinator_name(run_id), namespace=namespace, get_if_exists=True, num_cpus=0,
         max_restarts=max_restarts,
-    ).remote(run_id, config or GuardConfig(), attempt)
+    ).remote(run_id, config or GuardConfig(), attempt, run_name)
 
 
 def stop_all(namespace: str, run_id: str | None = None) -> list[str]:
