@@ -549,7 +549,9 @@ def model_stats_of(model) -> ModelStats:
     trainable; ``param_numels`` lists the trainable ones in reverse registration order (DDP's
     bucket order); the largest unit is the largest of :func:`wrap_units` (the units FSDP2
     shards, ``runtime.model``) and of the root's remaining parameters; the largest trainable
-    unit counts only parameters that get a gradient (the reduce-scatter buffer).
+    unit counts only parameters that get a gradient (the reduce-scatter buffer); the root
+    unit (what no unit claims) and the largest other unit are given apart, since FSDP2 keeps
+    the root gathered through backward.
     """
     params = list(model.parameters())
     num = sum(p.numel() for p in params)
@@ -566,7 +568,9 @@ def model_stats_of(model) -> ModelStats:
     return ModelStats(num_params=num, num_trainable_params=sum(p.numel() for p in trainable),
                       buffer_bytes=buffers, largest_unit_params=max(sizes) or num,
                       largest_trainable_unit_params=max(trainable_sizes),
-                      param_numels=tuple(p.numel() for p in reversed(trainable)))
+                      param_numels=tuple(p.numel() for p in reversed(trainable)),
+                      root_unit_params=sizes[-1] if len(sizes) > 1 else None,
+                      largest_block_unit_params=max(sizes[:-1]) if len(sizes) > 1 else None)
 
 
 def _result(runs, stats, loss_desc, mode, precision, optimizer, errors, elapsed) -> TraceResult:

@@ -99,15 +99,17 @@ STRATEGIES = [
     ("zero1", "bf16-master", {"backward": 2000 + 4800 + 800 + 10000 + 2000,
                               "optimizer": 2000 + 4800 + 2000 + 1600 + 2000,
                               "rebuild": 2000 + 4800 + 4000}),
-    # fsdp, bf16-master: P 250*2 = 500, G 500, O 250*12 = 3000, T 250*4 = 1000, G_bw 400*2
-    # grad-op: comm_bw = 2000 unsharded + AG 400*2; comm_late = 2000 + 2 RS 2*400*2
-    ("fsdp-grad-op", "bf16-master", {"backward": 500 + 3000 + 800 + 10000 + (2000 + 800),
-                                     "optimizer": 500 + 3000 + 500 + 1000,
-                                     "late-backward": 500 + 3000 + 500 + (2000 + 1600)}),
-    # full: comm_bw = 2*400*2 = 1600; comm_late = 1600 + 2*400*2 = 3200
-    ("fsdp-full", "bf16-master", {"backward": 500 + 3000 + 800 + 10000 + 1600,
-                                  "optimizer": 500 + 3000 + 500 + 1000,
-                                  "late-backward": 500 + 3000 + 500 + 3200}),
+    # fsdp, bf16-master = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the fp32
+    # shard is the master, P 250*4 = 1000, G 250*4 = 1000, O 250*8 = 2000, T 250*4 = 1000;
+    # gathered params and unsharded grads bf16: G_bw 400*2 = 800; reduce-scatter fp32
+    # grad-op: comm_bw = 2000 unsharded + AG 400*2; comm_late = 2000 + 2 RS 2*400*4
+    ("fsdp-grad-op", "bf16-master", {"backward": 1000 + 2000 + 800 + 10000 + (2000 + 800),
+                                     "optimizer": 1000 + 2000 + 1000 + 1000,
+                                     "late-backward": 1000 + 2000 + 1000 + (2000 + 3200)}),
+    # full: comm_bw = 2*400*2 = 1600; comm_late = 1600 + 2 RS 2*400*4 = 3200
+    ("fsdp-full", "bf16-master", {"backward": 1000 + 2000 + 800 + 10000 + 1600,
+                                  "optimizer": 1000 + 2000 + 1000 + 1000,
+                                  "late-backward": 1000 + 2000 + 1000 + 1600 + 3200}),
 ]
 
 
@@ -282,3 +284,18 @@ def test_bad_setup_names_the_field_and_the_fix(kwargs, field):
 def test_zero1_most_loaded_rank(numels, world_size, expected):
     model = ModelStats(num_params=1000, num_trainable_params=1000, param_numels=numels)
     assert zero1_rank_numel(model, world_size) == expected
+
+
+def test_fsdp_root_unit_stays_gathered_through_backward():
+    # root 300 (embedding + head), blocks of at most 200: the root is gathered from forward to
+    # the end of backward, and the two all-gather buffers are those of a block
+    model = ModelStats(num_params=1000, num_trainable_params=1000, largest_unit_params=300,
+                       root_unit_params=300, largest_block_unit_params=200)
+    est = run(TrainingSetup(strategy="fsdp-full", precision="bf16-master", micro_batch=2,
+                            world_size=4), model=model)
+    # comm_bw = (300 + 2*200) * 2 = 1400; G_bw = largest trainable unit 300 * 2 = 600
+    # backward = P 1000 + O 2000 + 600 + A 10000 + 1400
+    assert est.phases["backward"] == 1000 + 2000 + 600 + 10000 + 1400
+    # late: 1400 + 2 fp32 reduce-scatter buffers of the largest trainable unit 2*300*4
+    assert est.phases["late-backward"] == 1000 + 2000 + 1000 + 1400 + 2400
+    assert any("root unit (300 params" in n for n in est.notes)

@@ -1,33 +1,56 @@
-"""Analytic activations of a decoder transformer (pure: standard library only).
+"""Analytic activations of a decoder transformer in eager PyTorch (pure: standard library only).
 
-Counts the tensors autograd saves for backward, per layer, after Korthikanti et al. 2022
-("Reducing Activation Recomputation in Large Transformer Models"). With ``s`` sequence length,
-``b`` micro-batch, ``h`` hidden size, ``a`` heads, ``f`` MLP hidden size (``4h`` by default),
-``k`` the key/value width (``h`` unless grouped-query attention), ``e`` bytes of one activation
-element (4 in fp32, 2 under bf16 autocast or in bf16) saved tensors per layer are, in elements:
+Counts the tensors autograd saves for backward. With ``s`` sequence length, ``b`` micro-batch,
+``t = s b`` tokens, ``h`` hidden size, ``a`` heads, ``f`` MLP hidden size (``4h`` by default),
+``k`` the key/value width (``h`` unless grouped-query attention), ``v`` the vocabulary, ``e``
+bytes of one activation element (2 under bf16 autocast or in bf16, 4 in fp32) and ``r`` bytes of
+one element of the residual stream (4 in fp32 and under autocast, where the fp32 embedding
+output promotes every residual add; 2 in bf16), one layer saves, in bytes:
 
-* attention: its input ``sbh``, Q ``sbh``, K and V ``2sbk``, the input of the output projection
-  ``sbh``; the ``math`` kernel also keeps the softmax output ``as^2b``; the ``flash`` kernel
-  keeps instead a logsumexp ``asb`` in fp32;
-* MLP: its input ``sbh``, then ``2sbf`` (fc1 output and GeLU output) or ``4sbf`` for a gated MLP
-  (gate, up, activation and their product);
-* two LayerNorm/RMSNorm inputs ``2sbh``;
-* with dropout, 1-byte masks: ``sbh`` after attention, ``sbh`` after the MLP, and with the math
-  kernel ``as^2b`` for the attention probabilities plus their dropped-out copy (``as^2b``
-  elements) that feeds ``attn @ V``.
+* norms, two per layer: LayerNorm (fused kernel, ``bias``) its input ``r th``; RMSNorm written as
+  Llama code writes it (``x.float()``, ``x * rsqrt(mean(x^2) + eps)``, ``.type_as(x) * weight``)
+  an fp32 copy of its input plus the normalised tensor the weight multiplies: ``(4 + r) th``;
+* attention: its input ``e th``, Q ``e th``, K and V ``2 e tk``, or ``2 e th`` when they are
+  expanded to every query head for grouped-query attention (``repeat_kv``, what Llama code and a
+  kernel without native GQA need; ``expand_kv=False`` when SDPA gets ``enable_gqa=True``), the
+  contiguous copy of the attention output that the output projection saves ``e th``; the
+  ``flash`` kernel also keeps its own output ``e th`` and a logsumexp ``4 a t`` (fp32), the
+  ``math`` kernel the softmax output ``e a s^2 b`` instead;
+* MLP: its input ``e th``, then ``2 e tf`` (fc1 output, GeLU output) or ``4 e tf`` for a gated MLP
+  (gate, SiLU output, up, their product);
+* with dropout, 1-byte masks ``2 th`` (and with the math kernel ``a s^2 b`` plus the
+  dropped-out probabilities ``e a s^2 b``).
 
-For ``f = 4h``, ``k = h``, math kernel and dropout this is ``34sbh + 5as^2b`` bytes in 16-bit:
-Korthikanti's formula. Recompute ``selective`` drops the ``s^2`` terms (the attention core is
-recomputed); ``full`` keeps only each layer's input (``sbh``) plus one layer's activations,
-rebuilt during its backward. Outside the layers: the final norm input ``sbh``, the logits
-``sbv`` (``e`` bytes) and the fp32 log-softmax of the loss ``4sbv``; early in backward the
-fp32 gradient of the logits ``4sbv`` is alive too (this is where the peak usually is).
+For a LayerNorm model with ``f = 4h``, ``k = h``, the math kernel and dropout this is Korthikanti
+et al.'s ``34 sbh + 5 a s^2 b`` bytes in 16-bit (the flash kernel's own output aside).
+
+Outside the layers: the final norm and the output head's input; at the start of backward the
+loss holds three fp32 ``t x v`` tensors (the log-probabilities ``log_softmax`` saved, the NLL
+gradient and the log-softmax gradient made from them): ``12 tv`` bytes, which a 128 k vocabulary
+makes GiBs. The 16-bit logits themselves are assumed dropped before backward (torchtitan
+``del pred``; a loop that keeps the model's output alive adds ``e tv``).
+
+Recompute:
+
+* ``selective``: Megatron's (Korthikanti et al.): only the ``s^2`` attention terms are dropped
+  and recomputed; with the flash kernel this equals ``none``.
+* ``per-op``: PyTorch's per-op selective activation checkpointing of each block
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with torchtitan's policy:
+  save the outputs of every other matmul - the 1st, 3rd, 5th ... of a block in the order Q, K, V,
+  output projection, gate (fc1), up, down - and of SDPA, recompute everything else). A block
+  keeps its input ``r th`` plus those outputs; in backward one block at a time is recomputed in
+  full (less what it reuses: the SDPA outputs and the gate/fc1 output the activation saves).
+* ``full``: each block keeps its input ``r th``; one block at a time is rebuilt in its backward.
+
+Under recompute the peak is the larger of the loss's moment (every block's saved tensors plus
+the loss tensors) and the first block's recompute (saved tensors plus one rebuilt block); without
+recompute everything is alive at the loss.
 
 Under ``amp-bf16`` autocast keeps a bf16 copy of every matmul weight alive until its backward:
 ``2 x (matmul parameters)`` bytes, independent of the batch (``fixed_bytes``).
 
-The formula describes Megatron-style kernels; CPU SDPA with dropout 0 takes the flash path.
-When in doubt, trace the model (``raytrain_guard.trace``).
+The counts describe eager kernels (no ``torch.compile``, whose fusions save less). When in
+doubt, trace the model (``raytrain_guard.trace``).
 """
 
 from __future__ import annotations
@@ -42,7 +65,8 @@ from raytrain_guard.errors import PlanInputError
 
 class Recompute(str, enum.Enum):
     NONE = "none"
-    SELECTIVE = "selective"
+    SELECTIVE = "selective"    # Megatron's: only the seq x seq attention terms are recomputed
+    PER_OP = "per-op"          # PyTorch per-op SAC: every other matmul and SDPA saved
     FULL = "full"
 
 
@@ -51,9 +75,25 @@ class AttentionKernel(str, enum.Enum):
     MATH = "math"      # eager softmax(QK^T)V: keeps the seq x seq probabilities
 
 
+class Norm(str, enum.Enum):
+    LAYERNORM = "layernorm"    # fused native_layer_norm: saves its input
+    RMSNORM = "rmsnorm"        # eager Llama-style RMSNorm: an fp32 copy + the normalised tensor
+
+
 #: bytes of one activation element per precision
 ACTIVATION_BYTES = {Precision.FP32: 4, Precision.AMP_BF16: 2, Precision.BF16_MASTER: 2,
                     Precision.BF16: 2}
+#: bytes of one residual-stream element: autocast leaves the embedding output in fp32 and every
+#: residual add promotes to it, so the stream between blocks is fp32 under amp-bf16
+RESIDUAL_BYTES = {Precision.FP32: 4, Precision.AMP_BF16: 4, Precision.BF16_MASTER: 2,
+                  Precision.BF16: 2}
+#: the loss at the start of backward: three fp32 t x v tensors (log-probabilities, the NLL
+#: gradient, the log-softmax gradient), 4 bytes each
+LOSS_BYTES_PER_LOGIT = 12
+#: what the per-op policy says, for the plan's notes
+PER_OP_POLICY = ("per-op SAC (torchtitan's policy): saves each block's input, the outputs of "
+                 "its 1st, 3rd, 5th ... matmul (Q, V, gate/fc1, down for a gated MLP) and of "
+                 "SDPA; recomputes the rest, one block at a time in backward")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +103,9 @@ class TransformerShape:
     ``ffn_hidden`` defaults to ``4 * hidden``; ``num_kv_heads`` to ``heads`` (no grouped-query
     attention); ``gated_mlp`` is a SwiGLU MLP (three matrices, as in Llama); ``bias`` adds the
     linear biases of GPT-2-style blocks; ``tied_embeddings`` shares the input embedding with the
-    output head (counted once).
+    output head (counted once). ``norm`` defaults to LayerNorm with ``bias`` and RMSNorm without
+    (Llama). ``expand_kv``: grouped-query K and V are expanded to every head before attention
+    (``repeat_kv``, as Llama code does); False when SDPA is called with ``enable_gqa=True``.
     """
 
     layers: int
@@ -77,6 +119,8 @@ class TransformerShape:
     bias: bool = True
     tied_embeddings: bool = False
     dropout: bool = False
+    norm: Norm | None = None
+    expand_kv: bool = True
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
@@ -94,6 +138,9 @@ class TransformerShape:
         if self.ffn_hidden is not None and self.ffn_hidden < 1:
             raise PlanInputError("ffn_hidden", "must be a positive integer",
                                  value=self.ffn_hidden, fix="omit it for 4 x hidden")
+        norm = self.norm if self.norm is not None else (
+            Norm.LAYERNORM if self.bias else Norm.RMSNORM)
+        object.__setattr__(self, "norm", coerce_enum(Norm, norm, "norm"))
 
     @property
     def ffn(self) -> int:
@@ -104,6 +151,11 @@ class TransformerShape:
         kv = self.num_kv_heads if self.num_kv_heads is not None else self.heads
         return self.hidden // self.heads * kv
 
+    @property
+    def attention_kv_dim(self) -> int:
+        """Width of the K and V that attention saves: every head's when they are expanded."""
+        return self.hidden if self.expand_kv else self.kv_dim
+
     def block_matmul_params(self) -> int:
         """Weights of one block's matrices: Q, K, V, output projection and the MLP."""
         h, k, f = self.hidden, self.kv_dim, self.ffn
@@ -111,48 +163,108 @@ class TransformerShape:
 
     def block_params(self) -> int:
         """All parameters of one block: matrices, biases (if any) and two norms (weight+bias
-        for LayerNorm when ``bias``, weight only for RMSNorm)."""
+        for LayerNorm when ``bias``, weight only otherwise)."""
         h, k, f = self.hidden, self.kv_dim, self.ffn
         biases = (h + 2 * k + h + (2 if self.gated_mlp else 1) * f + h) if self.bias else 0
         norms = 4 * h if self.bias else 2 * h
         return self.block_matmul_params() + biases + norms
 
+    def root_params(self) -> int:
+        """Parameters outside the blocks: embedding, output head (once if tied), final norm:
+        FSDP's root unit."""
+        embed = self.vocab * self.hidden
+        head = 0 if self.tied_embeddings else embed
+        final_norm = 2 * self.hidden if self.bias else self.hidden
+        return embed + head + final_norm
+
 
 def transformer_model_stats(shape: TransformerShape) -> ModelStats:
     """Parameter counts of ``shape``: blocks, embedding, output head (once if tied), final norm.
 
-    The largest FSDP unit is one block, or the embedding when it is larger; ``param_numels`` is
-    left empty (the analytic model does not know the registration order).
+    FSDP units: one per block, and the root (embedding, head, final norm), which FSDP2 keeps
+    gathered from forward to the end of backward. ``param_numels`` is left empty (the analytic
+    model does not know the registration order).
     """
-    block = shape.block_params()
-    embed = shape.vocab * shape.hidden
-    head = 0 if shape.tied_embeddings else embed
-    final_norm = 2 * shape.hidden if shape.bias else shape.hidden
-    total = shape.layers * block + embed + head + final_norm
+    block, root = shape.block_params(), shape.root_params()
+    total = shape.layers * block + root
     return ModelStats(num_params=total, num_trainable_params=total,
-                      largest_unit_params=max(block, embed))
+                      largest_unit_params=max(block, root), root_unit_params=root,
+                      largest_block_unit_params=block)
+
+
+def _norm_bytes(shape: TransformerShape, precision: Precision) -> int:
+    """Bytes one norm saves per hidden element (see the module docstring)."""
+    r = RESIDUAL_BYTES[precision]
+    return 4 + r if shape.norm is Norm.RMSNORM else r
+
+
+def layer_parts(shape: TransformerShape, micro_batch: int, precision: Precision,
+                attention: AttentionKernel) -> dict[str, int]:
+    """Bytes one layer saves for backward without recompute, by tensor (module docstring)."""
+    s, b, h, a, f = shape.seq_len, micro_batch, shape.hidden, shape.heads, shape.ffn
+    t = s * b
+    e = ACTIVATION_BYTES[precision]
+    parts = {
+        "norms": 2 * _norm_bytes(shape, precision) * t * h,
+        "attention_in": e * t * h,
+        "q": e * t * h,
+        "kv": 2 * e * t * shape.attention_kv_dim,
+        "proj_in": e * t * h,               # contiguous copy of the attention output
+        "mlp_in": e * t * h,
+        "mlp": (4 if shape.gated_mlp else 2) * e * t * f,
+    }
+    if attention is AttentionKernel.FLASH:
+        parts["attention_out"] = e * t * h + 4 * a * t   # kernel output + fp32 logsumexp
+    else:
+        parts["scores"] = e * a * s * s * b              # softmax output
+    if shape.dropout:
+        parts["dropout_masks"] = 2 * t * h
+        if attention is AttentionKernel.MATH:
+            parts["scores_dropout"] = (1 + e) * a * s * s * b
+    return parts
 
 
 def layer_activation_bytes(shape: TransformerShape, micro_batch: int, precision: Precision,
                            attention: AttentionKernel, recompute: Recompute) -> int:
-    """Bytes one layer keeps for backward (without recompute), see the module docstring."""
-    s, b, h, a = shape.seq_len, micro_batch, shape.hidden, shape.heads
-    e = ACTIVATION_BYTES[Precision(precision)]
-    sbh = s * b * h
-    elems = sbh + sbh + 2 * s * b * shape.kv_dim + sbh           # attention in, Q, K, V, proj in
-    elems += sbh + (4 if shape.gated_mlp else 2) * s * b * shape.ffn  # MLP
-    elems += 2 * sbh                                              # two norms
-    total = elems * e
-    quadratic = 0
-    if attention is AttentionKernel.MATH:
-        quadratic = a * s * s * b * e + (a * s * s * b * (1 + e) if shape.dropout else 0)
-    else:
-        total += a * s * b * 4                                    # fp32 logsumexp
-    if shape.dropout:
-        total += 2 * sbh                                          # two 1-byte masks
+    """Bytes one layer keeps for backward while the other layers run: everything without
+    recompute; the ``s^2`` terms dropped under ``selective``; the block input and the
+    saved outputs under ``per-op``; the block input under ``full``."""
+    precision, attention, recompute = (Precision(precision), AttentionKernel(attention),
+                                       Recompute(recompute))
+    parts = layer_parts(shape, micro_batch, precision, attention)
     if recompute is Recompute.NONE:
-        total += quadratic
-    return total
+        return sum(parts.values())
+    if recompute is Recompute.SELECTIVE:
+        return sum(v for k, v in parts.items() if k not in ("scores", "scores_dropout"))
+    t = shape.seq_len * micro_batch
+    block_input = RESIDUAL_BYTES[precision] * t * shape.hidden
+    if recompute is Recompute.FULL:
+        return block_input
+    return block_input + sum(per_op_saved(shape, micro_batch, precision, attention).values())
+
+
+def per_op_saved(shape: TransformerShape, micro_batch: int, precision: Precision,
+                 attention: AttentionKernel) -> dict[str, int]:
+    """Outputs one block keeps under per-op SAC besides its input: the odd-numbered matmuls
+    (Q, V, and the 5th, 7th ...) and SDPA's outputs (flash kernel; the math path is made of
+    ops outside the save list)."""
+    t = shape.seq_len * micro_batch
+    e = ACTIVATION_BYTES[precision]
+    h, k, f = shape.hidden, shape.kv_dim, shape.ffn
+    # matmul outputs in block order; every other one is saved, starting with the first
+    widths = [h, k, k, h] + ([f, f, h] if shape.gated_mlp else [f, h])
+    saved = {"matmul_outputs": e * t * sum(widths[0::2])}
+    if attention is AttentionKernel.FLASH:
+        saved["attention_out"] = e * t * h + 4 * shape.heads * t
+    return saved
+
+
+def _outside_layers(shape: TransformerShape, precision: Precision) -> tuple[int, int]:
+    """(final norm + head input, loss tensors) per sample at the start of backward."""
+    s, h = shape.seq_len, shape.hidden
+    e = ACTIVATION_BYTES[precision]
+    final = _norm_bytes(shape, precision) * s * h + e * s * h
+    return final, LOSS_BYTES_PER_LOGIT * s * shape.vocab
 
 
 def transformer_activations(shape: TransformerShape, *, precision: Precision | str = "amp-bf16",
@@ -162,19 +274,28 @@ def transformer_activations(shape: TransformerShape, *, precision: Precision | s
     precision = coerce_enum(Precision, precision, "precision")
     recompute = coerce_enum(Recompute, recompute, "recompute")
     attention = coerce_enum(AttentionKernel, attention, "attention")
-    e = ACTIVATION_BYTES[precision]
     s, h, v = shape.seq_len, shape.hidden, shape.vocab
-    layer = layer_activation_bytes(shape, 1, precision, attention, recompute)
-    if recompute is Recompute.FULL:
-        # every layer keeps its input; one layer at a time is rebuilt in its backward
-        layer_full = layer_activation_bytes(shape, 1, precision, attention, Recompute.NONE)
-        per_sample = shape.layers * s * h * e + layer_full
+    kept = shape.layers * layer_activation_bytes(shape, 1, precision, attention, recompute)
+    final, loss = _outside_layers(shape, precision)
+    notes = [f"analytic transformer (eager): {shape.layers} layers, hidden {h}, seq {s}, "
+             f"{shape.norm.value}, {attention.value} attention, recompute {recompute.value}; "
+             f"loss {LOSS_BYTES_PER_LOGIT} x seq x vocab bytes per sample (fp32 "
+             f"log-probabilities and two gradients; logits dropped before backward)"]
+    if recompute in (Recompute.FULL, Recompute.PER_OP):
+        rebuilt = sum(layer_parts(shape, 1, precision, attention).values())
+        if recompute is Recompute.PER_OP:
+            reused = per_op_saved(shape, 1, precision, attention).get("attention_out", 0)
+            reused += ACTIVATION_BYTES[precision] * s * shape.ffn   # gate/fc1 output
+            rebuilt -= reused
+            notes.append(PER_OP_POLICY)
+        per_sample = kept + final + max(loss, rebuilt)
     else:
-        per_sample = shape.layers * layer
-    per_sample += s * h * e + s * v * e + 4 * s * v + 4 * s * v   # norm, logits, log-softmax, dlogits
+        per_sample = kept + final + loss
+    if shape.num_kv_heads not in (None, shape.heads):
+        notes.append("grouped-query K/V " + ("expanded to every head (repeat_kv)"
+                                             if shape.expand_kv else
+                                             "kept at their own width (enable_gqa)"))
     fixed = 0
-    notes = [f"analytic transformer: {shape.layers} layers, hidden {h}, seq {s}, "
-             f"{attention.value} attention, recompute {recompute.value}"]
     if precision is Precision.AMP_BF16:
         fixed = 2 * (shape.layers * shape.block_matmul_params() + v * h)
         notes.append("amp-bf16: bf16 copies of the matmul weights kept by autocast")
@@ -190,11 +311,11 @@ def analytic_transformer(*, layers: int, hidden: int, heads: int, seq_len: int, 
     """The CLI's entry point for ``--layers/--hidden/--heads/--seq-len/--vocab``.
 
     ``shape_options`` are the other :class:`TransformerShape` fields (``ffn_hidden``,
-    ``num_kv_heads``, ``gated_mlp``, ``bias``, ``tied_embeddings``, ``dropout``).
+    ``num_kv_heads``, ``gated_mlp``, ``bias``, ``tied_embeddings``, ``dropout``, ``norm``,
+    ``expand_kv``).
     """
     shape = TransformerShape(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
                              vocab=vocab, **shape_options)
     return (transformer_model_stats(shape),
             transformer_activations(shape, precision=precision, recompute=recompute,
                                     attention=attention))
-

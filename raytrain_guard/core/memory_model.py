@@ -39,6 +39,13 @@ bf16-master      2    2    4 + 4k                    fp32 master weights with th
 bf16             2    2    2k                        everything bf16
 ==============  ===  ===  ========================  =========================================
 
+Under FSDP (``fsdp-full``, ``fsdp-grad-op``) ``bf16-master`` is FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the sharded parameters *are* the
+fp32 master weights (``P`` 4, no separate master in ``O``), gradients land in their dtype
+(``G`` 4), the gathered parameters and unsharded gradients are bf16 (2 bytes) and the
+reduce-scatter runs in fp32 (4 bytes a parameter). The total at rest is the same 16 bytes a
+parameter for Adam; what moves is where they sit, and the reduce-scatter buffers double.
+
 Sharding over the ``N`` data-parallel ranks (sizes rounded up to a multiple of ``N``, as FSDP
 pads its flat parameters):
 
@@ -58,7 +65,9 @@ pads its flat parameters):
   prefetched); ``late-backward``: those plus two reduce-scatter buffers of the largest
   trainable unit. The largest unit's position is unknown, so a prefetch is always assumed
   (an upper bound: measured on CPU, the MLP whose largest unit comes last in backward is
-  over-predicted).
+  over-predicted). When the root unit is known (``ModelStats.root_unit_params``: embedding,
+  output head, final norm), it is gathered through all of backward (FSDP2 does not reshard the
+  root after forward) and the two buffers are those of the largest *other* unit.
 
 Gradient accumulation (``grad_accum > 1``): the gradients of earlier micro-steps are alive during
 every later backward (DDP ``no_sync``; FSDP ``no_sync`` keeps them unsharded).
@@ -107,6 +116,13 @@ STATE_BYTES = {Precision.FP32: 4, Precision.AMP_BF16: 4, Precision.BF16_MASTER: 
 #: bytes of master weights per trainable parameter
 MASTER_BYTES = {Precision.FP32: 0, Precision.AMP_BF16: 0, Precision.BF16_MASTER: 4,
                 Precision.BF16: 0}
+#: FSDP: bytes of one sharded parameter / gradient element (the sharded parameters are the
+#: fp32 master weights under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32))
+FSDP_SHARD_BYTES = {Precision.FP32: 4, Precision.AMP_BF16: 4, Precision.BF16_MASTER: 4,
+                    Precision.BF16: 2}
+#: FSDP: bytes of one reduce-scatter element (reduce_dtype: fp32 under bf16-master)
+REDUCE_BYTES = {Precision.FP32: 4, Precision.AMP_BF16: 4, Precision.BF16_MASTER: 4,
+                Precision.BF16: 2}
 #: optimizer state tensors per parameter (momentum; exp_avg + exp_avg_sq)
 STATE_COPIES = {OptimizerKind.SGD: 0, OptimizerKind.SGD_MOMENTUM: 1, OptimizerKind.ADAM: 2,
                 OptimizerKind.ADAMW: 2}
@@ -235,17 +251,22 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
     """
     n = setup.world_size
     prec, strat = setup.precision, setup.strategy
-    p_b, s_b = PARAM_BYTES[prec], STATE_BYTES[prec]
+    fsdp = strat in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP)
+    p_b, s_b = PARAM_BYTES[prec], STATE_BYTES[prec]   # p_b: compute dtype (gathered, unsharded)
     opt_per_param = MASTER_BYTES[prec] + STATE_COPIES[setup.optimizer] * s_b
+    shard_b, reduce_b = p_b, p_b
+    if fsdp:  # the sharded parameters are the master weights (see the module docstring)
+        shard_b, reduce_b = FSDP_SHARD_BYTES[prec], REDUCE_BYTES[prec]
+        opt_per_param = STATE_COPIES[setup.optimizer] * s_b
     frozen = model.num_params - model.num_trainable_params
     trainable = model.num_trainable_params
     unit = model.largest_unit_params or model.num_params
     notes: list[str] = []
 
     # -- persistent per-rank state ---------------------------------------------------------
-    if strat is Strategy.FSDP_FULL or strat is Strategy.FSDP_GRAD_OP:
-        params = _shard(model.num_params, n) * p_b
-        grads = _shard(trainable, n) * p_b
+    if fsdp:
+        params = _shard(model.num_params, n) * shard_b
+        grads = _shard(trainable, n) * shard_b
         optimizer = _shard(trainable, n) * opt_per_param
     else:
         params = model.num_params * p_b
@@ -279,17 +300,25 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         else:
             notes.append("world size 1: Ray's prepare_model does not wrap DDP, no buckets")
     elif strat is Strategy.FSDP_FULL:
-        comm_bw = 2 * unit * p_b
-        comm_late = comm_bw + 2 * rs_unit * p_b
-        notes.append(f"FSDP: 2 all-gather buffers of the largest unit ({unit} params) from the "
-                     f"start of backward; 2 reduce-scatter buffers of the largest trainable "
-                     f"unit ({rs_unit} params) only late in backward")
+        root, block = model.root_unit_params, model.largest_block_unit_params
+        if root is not None and block is not None:
+            comm_bw = (root + 2 * block) * p_b
+            gathered = (f"the root unit ({root} params, gathered from forward to the end of "
+                        f"backward) and 2 all-gather buffers of the largest other unit "
+                        f"({block} params)")
+        else:
+            comm_bw = 2 * unit * p_b
+            gathered = f"2 all-gather buffers of the largest unit ({unit} params)"
+        comm_late = comm_bw + 2 * rs_unit * reduce_b
+        notes.append(f"FSDP: {gathered} from the start of backward, {p_b} bytes a parameter; "
+                     f"2 reduce-scatter buffers of the largest trainable unit ({rs_unit} "
+                     f"params, {reduce_b} bytes each) only late in backward")
     else:  # FSDP_GRAD_OP
         # unsharded parameters from forward to the end of backward, plus the all-gather output
         # of the unit being gathered in forward (alive next to its unsharded copy: the peak of
         # a model whose activations peak in forward, e.g. a frozen backbone)
         comm_bw = model.num_params * p_b + unit * p_b
-        comm_late = model.num_params * p_b + 2 * rs_unit * p_b
+        comm_late = model.num_params * p_b + 2 * rs_unit * reduce_b
         notes.append(f"SHARD_GRAD_OP keeps unsharded parameters from forward to the end of "
                      f"backward (+ the all-gather buffer of the largest unit, {unit} params, "
                      f"while it is gathered); 2 reduce-scatter buffers of the largest "
@@ -297,7 +326,6 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
 
     # -- activations and gradients alive at the backward peak ------------------------------
     acts = activations.at(setup.micro_batch)
-    fsdp = strat in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP)
     if setup.grad_accum > 1:
         grads_bw = trainable * p_b if fsdp else grads
         notes.append(f"grad_accum={setup.grad_accum}: gradients of earlier micro-steps live "

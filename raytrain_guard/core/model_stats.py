@@ -24,6 +24,10 @@ class ModelStats:
     ``largest_trainable_unit_params`` the most trainable parameters one unit holds (its
     reduce-scatter buffer: FSDP reduce-scatters only gradients, so a frozen unit has none).
     ``None`` means unknown: the unit is assumed fully trainable (the safe side).
+    ``root_unit_params`` is FSDP's root unit (what no block holds: embedding, output head, final
+    norm), which FSDP2 does not reshard after forward, so it stays gathered through backward;
+    ``largest_block_unit_params`` the largest unit other than the root. ``None``: unknown, the
+    largest unit stands for every gathered unit (the rule before these were known).
     """
 
     num_params: int
@@ -32,6 +36,8 @@ class ModelStats:
     largest_unit_params: int = 0        # largest FSDP wrapping unit (all-gather buffer size)
     param_numels: tuple[int, ...] = ()  # trainable params, DDP bucket order; () if unknown
     largest_trainable_unit_params: int | None = None  # reduce-scatter buffer size; None: unknown
+    root_unit_params: int | None = None              # FSDP root unit; None: unknown
+    largest_block_unit_params: int | None = None     # largest non-root unit; None: unknown
 
     def __post_init__(self) -> None:
         if self.num_trainable_params > self.num_params:
@@ -47,6 +53,12 @@ class ModelStats:
                                  value=self.largest_trainable_unit_params,
                                  fix="count the trainable parameters of the largest unit, or "
                                      "leave it None")
+        for name in ("root_unit_params", "largest_block_unit_params"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= self.num_params:
+                raise PlanInputError(name, f"must be between 0 and num_params "
+                                     f"({self.num_params})", value=value,
+                                     fix="count the parameters of that unit, or leave it None")
 
 
 @dataclass(frozen=True)
