@@ -65,6 +65,13 @@ def add_plan_command(subparsers) -> None:
     src.add_argument("--tied-embeddings", action="store_true", help="output head shares the "
                      "embedding")
     src.add_argument("--dropout", action="store_true", help="the model uses dropout")
+    src.add_argument("--no-bias", action="store_true",
+                     help="linear layers without biases (Llama); the norms default to RMSNorm")
+    src.add_argument("--norm", help="layernorm (default with biases) or rmsnorm (default with "
+                     "--no-bias: eager Llama-style, an fp32 copy of each norm's input)")
+    src.add_argument("--no-expand-kv", action="store_true",
+                     help="grouped-query K/V reach attention at their own width (SDPA "
+                          "enable_gqa=True); default: expanded to every head (repeat_kv)")
 
     run = p.add_argument_group("training")
     run.add_argument("--micro-batch", metavar="N",
@@ -72,10 +79,15 @@ def add_plan_command(subparsers) -> None:
     run.add_argument("--global-batch", metavar="N", help="samples per optimizer step, all ranks")
     run.add_argument("--grad-accum", metavar="N", help="micro-steps per optimizer step")
     run.add_argument("--strategy", default="ddp", help="ddp, zero1, fsdp-grad-op, fsdp-full")
-    run.add_argument("--precision", default="fp32", help="fp32, amp-bf16, bf16-master, bf16")
+    run.add_argument("--precision", default="fp32", help="fp32, amp-bf16, bf16-master, bf16. "
+                     "Under FSDP, bf16-master is FSDP2's MixedPrecisionPolicy(param_dtype=bf16, "
+                     "reduce_dtype=fp32): fp32 sharded master weights and gradients, bf16 "
+                     "gathered parameters, fp32 reduce-scatter")
     run.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum, adam, adamw")
-    run.add_argument("--recompute", help="none (default), selective, full; with the model "
-                     "shape only (--layers ...)")
+    run.add_argument("--recompute", help="none (default); selective (Megatron: only the "
+                     "seq x seq attention scores, a no-op with flash attention); per-op (PyTorch "
+                     "per-op selective checkpointing, torchtitan's policy: every other matmul "
+                     "and SDPA saved); full. With the model shape only (--layers ...)")
     run.add_argument("--attention", help="flash (default), math; with the model shape only")
     run.add_argument("--workers", default="1", metavar="N", help="data-parallel ranks in total")
 
@@ -112,7 +124,7 @@ PLAN_FLAGS = {
     "precision": "--precision", "optimizer": "--optimizer", "recompute": "--recompute",
     "attention": "--attention", "layers": "--layers", "hidden": "--hidden", "heads": "--heads",
     "seq_len": "--seq-len", "vocab": "--vocab", "ffn_hidden": "--ffn-hidden",
-    "num_kv_heads": "--kv-heads", "bandwidth_curve": "--bandwidth-curve"}
+    "num_kv_heads": "--kv-heads", "bandwidth_curve": "--bandwidth-curve", "norm": "--norm"}
 #: Python spellings in fix texts -> the flag or file that does it on the command line
 PLAN_FIX_WORDS = (("pin_memory=False", "--no-pin-memory"),
                   ("host_prefetch_frac", "host_prefetch_frac (--config)"))
@@ -257,7 +269,8 @@ def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
         raise PlanInputError("--activation-bytes-per-sample", "only applies with --params",
                              value=args.activation_bytes_per_sample,
                              fix="drop it: the shape or the trace gives the activations")
-    for flag, value in (("--recompute", args.recompute), ("--attention", args.attention)):
+    for flag, value in (("--recompute", args.recompute), ("--attention", args.attention),
+                        ("--norm", args.norm)):
         if value is not None and (args.params is not None or args.model is not None):
             source = "--params" if args.params is not None else "--model"
             raise PlanInputError(flag, f"only applies with the model shape (--layers "
@@ -293,7 +306,10 @@ def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
     from raytrain_guard.core.activations import analytic_transformer
 
     options = dict(gated_mlp=args.gated_mlp, tied_embeddings=args.tied_embeddings,
-                   dropout=args.dropout)
+                   dropout=args.dropout, bias=not args.no_bias,
+                   expand_kv=not args.no_expand_kv)
+    if args.norm is not None:
+        options["norm"] = args.norm
     if args.ffn_hidden is not None:
         options["ffn_hidden"] = _positive_int(args.ffn_hidden, "--ffn-hidden")
     if args.kv_heads is not None:
@@ -305,7 +321,7 @@ def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
                                                                           "--seq-len"),
         vocab=_positive_int(args.vocab, "--vocab"), precision=setup.precision,
         recompute=args.recompute or "none", attention=args.attention or "flash", **options)
-    return model, acts, ()
+    return model, acts, acts.notes
 
 
 def _data_source(args, config) -> tuple[int | None, float | None, bool, tuple[str, ...]]:
