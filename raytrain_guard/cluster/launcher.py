@@ -236,7 +236,8 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
            progress: Callable[[Mapping[str, Any]], None] | None = None,
            progress_interval_s: float = 2.0,
            decision_source: Callable[[str, str, Mapping[str, Any]], Any] | None = None,
-           fixes: Sequence[str] | None = None) -> RunSummary:
+           fixes: Sequence[str] | None = None,
+           collective_timeout_s: float | None = None) -> RunSummary:
     """Plan, start the guard's actors, train, tear down, summarize (see the module docstring).
 
     ``plan``: a planner :class:`Plan` to use instead of tracing the model (``False``: skip
@@ -247,10 +248,11 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     unless the caller already did. ``decision_source(run_id, namespace, guard) -> source``
     replaces the default :class:`ClusterDecisionSource` (e.g. a subclass that logs timings).
     ``fixes``: what the caller's user can change when the plan does not fit (:func:`check_plan`).
+    ``collective_timeout_s``: the process group's timeout (Ray Train's default: 1800 s).
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from raytrain_guard.cluster.actors import start_coordinator, start_monitors, stop_all
     from raytrain_guard.runtime.train_loop import train_loop_per_worker
@@ -286,6 +288,8 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
         watcher.start()
         trainer = TorchTrainer(
             train_loop_per_worker, train_loop_config=loop_config,
+            torch_config=TorchConfig(timeout_s=int(collective_timeout_s))
+            if collective_timeout_s else None,
             scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                          resources_per_worker=dict(resources_per_worker)
                                          if resources_per_worker else None,

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, Mapping
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.decisions import Action, Decision
+from raytrain_guard.core.decisions import Action, Cause, Decision
 from raytrain_guard.core.memory_model import Strategy
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import GuardError, InputError
@@ -108,6 +108,10 @@ class LoopConfig:
     audit_dir: str | None = None                 # per-rank consumed sample ids (JSON lines)
     sample_id_key: str = "id"
     faults: Mapping[str, Any] = field(default_factory=dict)
+    act: bool = True                             # False: measure and decide, apply nothing
+    restart_after_stop: bool = False             # a guard stop checkpoints, then restarts
+    device_memory_bytes: int | None = None       # a simulated card of this size on CPU
+    trace_dir: str | None = None                 # per-rank JSON lines of steps and events
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LoopConfig":
@@ -153,6 +157,9 @@ class LoopConfig:
         if not isinstance(values.get("faults", {}), Mapping):
             raise InputError("faults", "must be a dict", value=values["faults"],
                              fix="e.g. {'delay': [{'seconds': 0.05, 'ranks': [1]}]}")
+        if values.get("device_memory_bytes") is not None:
+            values["device_memory_bytes"] = _as_int("device_memory_bytes",
+                                                    values["device_memory_bytes"], 1)
         return cls(**values)
 
     @property
@@ -260,6 +267,17 @@ class GuardedTrainLoop:
         # the cadences at which a boundary reads the guard's StepStats (_stats_due)
         self._stats_every = (config.guard.report_every_steps, config.guard.lockstep_every_steps,
                              config.every_stop_check, config.every_checkpoint)
+        # the experiment's seams (all None in a plain run): injected faults, a simulated card,
+        # the hang watchdog, the per-rank trace; attempt: this process's try at the run
+        self.fault_runtime: Any = None
+        self.sim_device: Any = None
+        self.watchdog: Any = None
+        self._trace: Any = None
+        self.attempt = f"{os.getpid()}-{time.time_ns() % 10**12}"
+        self._act_per_elem: float | None = None   # activation bytes per batch element, learned
+        self._split_pending: list[dict[str, Any]] = []   # splits of this step, measured at its end
+        self._loader_workers_at: int | None = None    # step of the last loader-worker change
+        self.restart_reason: str | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -270,6 +288,9 @@ class GuardedTrainLoop:
         self.device = device
         _seed_everything(cfg.seed)                  # same initial weights on every rank
         dataset = _call_factory("dataset_factory", cfg.dataset_factory)
+        self._build_faults(device)
+        if self.fault_runtime is not None:
+            dataset = self.fault_runtime.wrap_dataset(dataset)
         self.loader = self._make_loader(dataset, self.micro_batch)
         model = _call_factory("model_factory", cfg.model_factory)
         if not isinstance(model, torch.nn.Module):
@@ -289,14 +310,40 @@ class GuardedTrainLoop:
         self._model = model
         # Everything above is local: a bad input fails on every rank before any collective.
 
-    def _make_loader(self, dataset: Any, micro_batch: int) -> Any:
+    def _build_faults(self, device: Any) -> None:
+        """Injected faults (``faults["inject"]``: FaultSpec dicts) and the card they count on:
+        ``device_memory_bytes`` simulates one on CPU and caps the real one on CUDA."""
+        import torch
+
+        from raytrain_guard.core.faults import FaultSpec
+        from raytrain_guard.runtime.faults import FaultRuntime, SimulatedDevice
+
+        cfg = self.config
+        if cfg.device_memory_bytes is not None:
+            if device.type == "cuda":
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(
+                    min(1.0, cfg.device_memory_bytes / total), device)
+            else:
+                self.sim_device = SimulatedDevice(cfg.device_memory_bytes, world_rank=self.rank)
+        specs = [FaultSpec.from_dict(d) for d in cfg.faults.get("inject", ())]
+        if any(s.kind == "comm_delay" for s in specs) and cfg.strategy not in (
+                Strategy.DDP, Strategy.ZERO1):
+            raise InputError("faults", "comm_delay is injected in the DDP communication hook",
+                             value=cfg.strategy.value, fix="use strategy ddp or zero1 with it")
+        if specs:
+            self.fault_runtime = FaultRuntime(
+                specs, world_rank=self.rank, marker_dir=cfg.faults.get("marker_dir"),
+                device=self.sim_device, torch_device=device)
+
+    def _make_loader(self, dataset: Any, micro_batch: int, num_workers: int | None = None) -> Any:
         from raytrain_guard.runtime.loader import GuardedDataLoader
 
         cfg = self.config
         return GuardedDataLoader(
             dataset, micro_batch, shuffle=True, seed=cfg.seed, config=cfg.guard,
             world_rank=self.rank, world_size=self.world_size, device=self.device,
-            num_workers=cfg.num_workers)
+            num_workers=cfg.num_workers if num_workers is None else num_workers)
 
     def _plan_and_wrap(self) -> None:
         from raytrain_guard.core.buckets import recommend_bucket_cap
@@ -329,6 +376,8 @@ class GuardedTrainLoop:
             raise InputError("optimizer_factory", "did not return a torch.optim.Optimizer",
                              value=type(optimizer).__name__, fix="return e.g. AdamW(params)")
         self.optimizer = wrap_optimizer(self.planned, optimizer)
+        if self.sim_device is not None:
+            self.sim_device.measure_static(self.planned.module, self.optimizer)
 
     def _build_guard(self) -> None:
         from raytrain_guard.runtime.probes import FaultInjector
@@ -346,14 +395,18 @@ class GuardedTrainLoop:
         self.guard.attach_loader(self.loader)
         if self.planned.kind == "ddp":
             try:
-                attach_comm_timer(self.planned.module, timer)
+                attach_comm_timer(self.planned.module, timer, hook=self.fault_runtime.comm_hook()
+                                  if self.fault_runtime is not None else None)
             except Exception:  # noqa: BLE001 - fail open: no communication wait figures
                 logger.warning("rank %d: communication timer not attached", self.rank,
                                exc_info=True)
         self.metrics = _StepMetrics(self.rank)
 
     def _probe(self) -> Any:
+        from raytrain_guard.runtime.faults import SimulatedDeviceProbe
         from raytrain_guard.runtime.probes import CudaMemoryProbe, ProcessMemoryProbe
+        if self.sim_device is not None:
+            return SimulatedDeviceProbe(self.sim_device)
         try:
             if self.device.type == "cuda":
                 return CudaMemoryProbe(self.device, config=self.config.guard)
@@ -407,29 +460,89 @@ class GuardedTrainLoop:
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         start = self._clock()
-        self._build()
-        self._plan_and_wrap()
-        self._build_guard()
-        self.control = _control_plane(self.world_size)
-        self._resume()
-        bind = getattr(self.config.decision_source, "bind_setup", None)
-        if callable(bind):
-            try:
-                bind(self.setup)
-            except Exception:  # noqa: BLE001 - fail open: the policy only lacks the setup
-                logger.warning("rank %d: decision source did not take the setup", self.rank,
-                               exc_info=True)
-        if self.config.audit_dir:
-            os.makedirs(self.config.audit_dir, exist_ok=True)
-            self._audit = open(os.path.join(self.config.audit_dir, f"rank{self.rank}.jsonl"), "a")
+        cfg = self.config
+        if cfg.trace_dir:
+            os.makedirs(cfg.trace_dir, exist_ok=True)
+            self._trace = open(os.path.join(cfg.trace_dir, f"rank{self.rank}.jsonl"), "a")
         try:
-            self._train()
+            self._build()
+            self._plan_and_wrap()
+            self._build_guard()
+            self.control = _control_plane(self.world_size)
+            self._resume()
+            self._trace_event("start", resumed_from=self.resumed_from,
+                              world_size=self.world_size, micro_batch=self.micro_batch,
+                              grad_accum=self.grad_accum, total_steps=self.total_steps,
+                              node_id=self.ctx.node_id)
+            bind = getattr(cfg.decision_source, "bind_setup", None)
+            if callable(bind):
+                try:
+                    bind(self.setup)
+                except Exception:  # noqa: BLE001 - fail open: the policy only lacks the setup
+                    logger.warning("rank %d: decision source did not take the setup", self.rank,
+                                   exc_info=True)
+            if cfg.audit_dir:
+                os.makedirs(cfg.audit_dir, exist_ok=True)
+                self._audit = open(os.path.join(cfg.audit_dir, f"rank{self.rank}.jsonl"), "a")
+            self._start_watchdog()
+            try:
+                self._train()
+            finally:
+                if self.watchdog is not None:
+                    self.watchdog.close()
+                if self.fault_runtime is not None:
+                    self.fault_runtime.close()
+                if self._audit is not None:
+                    self._audit.close()
+                self.loader.close()
+            if self.restart_reason is not None:
+                self._checkpoint({"kind": "restart"})
+                raise RestartRequested(f"rank {self.rank}: checkpointed at step {self.step} and "
+                                       f"restarting the group: {self.restart_reason}")
+            self.results = self._finish(self._clock() - start)
+            self._trace_event("end", step=self.step)
+            return self.results
+        except BaseException as exc:
+            self._trace_event("error", error=type(exc).__name__, message=str(exc)[:400],
+                              step=self.step)
+            raise
         finally:
-            if self._audit is not None:
-                self._audit.close()
-            self.loader.close()
-        self.results = self._finish(self._clock() - start)
-        return self.results
+            if self._trace is not None:
+                self._trace.close()
+                self._trace = None
+
+    # -- the experiment's seams: trace, watchdog ------------------------------------------------
+    def _trace_event(self, kind: str, **fields: Any) -> None:
+        if self._trace is None:
+            return
+        try:
+            self._trace.write(json.dumps({"t": kind, "attempt": self.attempt,
+                                          "wall": time.time(), **fields}, default=str) + "\n")
+            self._trace.flush()
+        except Exception:  # noqa: BLE001 - fail open: the trace is for the report only
+            logger.debug("rank %d: trace write failed", self.rank, exc_info=True)
+
+    def _start_watchdog(self) -> None:
+        from raytrain_guard.runtime.watchdog import StepWatchdog
+
+        guard = self.config.guard
+        try:
+            self.watchdog = StepWatchdog(floor_s=guard.hang_floor_s,
+                                         step_multiple=guard.hang_step_multiple,
+                                         on_hang=self._on_hang, world_rank=self.rank,
+                                         node_id=self.ctx.node_id or "")
+        except Exception:  # noqa: BLE001 - fail open: no hang detection
+            logger.warning("rank %d: no hang watchdog", self.rank, exc_info=True)
+
+    def _on_hang(self, record: Mapping[str, Any]) -> None:
+        """The watchdog's call: write the hang down; when the guard acts, end this process so
+        that Ray restarts the group from the last checkpoint (the hung step never returns)."""
+        logger.error("hang: %s", record["reason"])
+        self._trace_event("hang", **record, acted=self.config.act)
+        if self.config.act:
+            time.sleep(1.0)            # the other ranks' watchdogs write their records too
+            logging.shutdown()
+            os._exit(_HANG_EXIT_CODE)
 
     def _train(self) -> None:
         """The steps. The guard's StepStats are read (:meth:`_stats_due`) only at some
@@ -439,8 +552,13 @@ class GuardedTrainLoop:
         cfg = self.config
         micro_batches = self._micro_batches()
         guard = self.guard
+        watchdog, faults = self.watchdog, self.fault_runtime
         while self.step < self.total_steps:
             step = self.step
+            if watchdog is not None:
+                watchdog.begin(step)
+            if faults is not None:
+                faults.begin_step(step)
             if self.memory_faults:
                 self._fill_memory(step)
             if not guard.loader_attached:      # else the loader opens the step (attach_loader)
@@ -451,31 +569,39 @@ class GuardedTrainLoop:
                 batch = next(micro_batches)
                 if not guard.loader_attached:  # else the loader marked it
                     guard.mark("data")
+                if watchdog is not None:
+                    watchdog.enter("forward")
+                if faults is not None:
+                    batch = faults.transform(batch)
                 if self._audit is not None:
                     self._log_ids(step, batch)
-                with self.planned.grad_sync(micro == grad_accum - 1):
-                    loss = cfg.loss_fn(self.planned.module, batch)
-                    _check_loss(loss, step)
-                    guard.mark("forward")
-                    scaled = loss / grad_accum
-                    scaled.backward()
-                step_loss = scaled.detach() if step_loss is None else step_loss + scaled.detach()
-                guard.mark("backward")
+                loss = self._micro_step(batch, grad_accum, micro == grad_accum - 1)
+                step_loss = loss if step_loss is None else step_loss + loss
+            if watchdog is not None:
+                watchdog.enter("optimizer")
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             # no optimizer mark: from the last backward mark to end_step is the optimizer's
             self._last_loss = step_loss
             self.step = step + 1
+            if self._split_pending:
+                self._measure_splits()
             decisions = guard.end_step(step)
+            if watchdog is not None:
+                watchdog.end()
             new_stats = (guard.drain_stats() if self._stats_due(self.step, decisions)
                          else [])
             for stats in new_stats:
                 self.metrics.record(stats)
+            if self._trace is not None:
+                self._trace_steps(new_stats)
             if self._boundary(self.step, decisions, new_stats):
                 break
         left = guard.drain_stats()          # a stop the source decided at another step
         for stats in left:
             self.metrics.record(stats)
+        if self._trace is not None:
+            self._trace_steps(left)
         finish = getattr(cfg.decision_source, "finish", None)
         if callable(finish):
             try:
@@ -483,6 +609,97 @@ class GuardedTrainLoop:
             except Exception:  # noqa: BLE001 - fail open: only the last report is lost
                 logger.warning("rank %d: decision source finish failed", self.rank,
                                exc_info=True)
+
+    def _micro_step(self, batch: Any, grad_accum: int, last: bool) -> Any:
+        """Forward and backward of one micro-batch; its loss / ``grad_accum``, detached. On a
+        simulated card an oversized batch runs in pieces (:meth:`_pieces`), each weighted by its
+        samples, so the gradient and the global batch are those of the whole micro-batch."""
+        guard, faults, sim = self.guard, self.fault_runtime, self.sim_device
+        pieces = self._pieces(batch) if sim is not None else ((batch, 1.0),)
+        total = None
+        for i, (piece, weight) in enumerate(pieces):
+            started = time.perf_counter() if faults is not None else 0.0
+            with self.planned.grad_sync(last and i == len(pieces) - 1), \
+                    (sim.tracking() if sim is not None else contextlib.nullcontext()):
+                loss = self.config.loss_fn(self.planned.module, piece)
+                _check_loss(loss, self.step)
+                guard.mark("forward")
+                if self.watchdog is not None:
+                    self.watchdog.enter("backward")
+                scaled = loss * (weight / grad_accum) if weight != 1.0 else loss / grad_accum
+                scaled.backward()
+                if faults is not None:
+                    faults.after_backward(time.perf_counter() - started)
+            guard.mark("backward")
+            if sim is not None:
+                self._learn_activations(piece)
+            total = scaled.detach() if total is None else total + scaled.detach()
+        return total
+
+    def _learn_activations(self, batch: Any) -> None:
+        """Activation bytes per batch element, the largest seen: what prices the next batch."""
+        elements = _batch_elements(batch)
+        if elements:
+            per_elem = self.sim_device.last_activation_bytes / elements
+            if self._act_per_elem is None or per_elem > self._act_per_elem:
+                self._act_per_elem = per_elem
+
+    def _pieces(self, batch: Any) -> Any:
+        """``((batch, 1.0),)``, or the batch in ``k`` pieces with their sample weights when its
+        activations, priced per element before the forward, would take the card past the
+        watermark. Only under DDP or ZeRO-1 (a rank may run extra forwards alone there; under
+        FSDP every rank would have to agree first) and only when the guard acts."""
+        from raytrain_guard.runtime.batches import leading_batch_size, map_tensors
+
+        sim, per_elem = self.sim_device, self._act_per_elem
+        if per_elem is None:
+            return ((batch, 1.0),)
+        predicted = per_elem * _batch_elements(batch)
+        room = sim.capacity_bytes * self.config.guard.memory_watermark_frac - sim.base_bytes
+        if predicted <= room:
+            return ((batch, 1.0),)
+        size = leading_batch_size(batch) or 1
+        pieces = min(size, max(2, -(-int(predicted) // max(1, int(room)))))
+        fits = self.config.strategy in (Strategy.DDP, Strategy.ZERO1) and room > 0
+        predicted_frac = (sim.base_bytes + predicted) / sim.capacity_bytes
+        piece_frac = (sim.base_bytes + predicted / pieces) / sim.capacity_bytes
+        reason = (f"rank {self.rank} step {self.step}: this micro-batch's activations are "
+                  f"priced at {predicted / 2**20:.1f} MiB before its forward ({per_elem:.1f} "
+                  f"bytes per element), which takes the card to {predicted_frac:.0%} "
+                  f"(watermark {self.config.guard.memory_watermark_frac:.0%})")
+        act = self.config.act and fits
+        self._split_pending.append({
+            "action": "split_micro_batch", "step": self.step, "applied_at": self.step,
+            "scope": "rank", "cause": "device_memory", "world_rank": self.rank,
+            "decision_id": 0, "applied": act,
+            "reason": reason + (f"; run in {pieces} pieces of the same optimizer step" if act
+                                else "; not split (the guard observes only)" if fits else
+                                "; not split (FSDP ranks would have to agree)"),
+            "params": {"pieces": pieces if act else 1, "micro_batch": size},
+            "predicted": {"peak_frac": round(piece_frac if act else predicted_frac, 4)}})
+        if not act:
+            return ((batch, 1.0),)
+        bounds = [size * i // pieces for i in range(pieces + 1)]
+        return tuple((map_tensors(batch, lambda t, lo=lo, hi=hi: t[lo:hi]), (hi - lo) / size)
+                     for lo, hi in zip(bounds, bounds[1:]) if hi > lo)
+
+    def _measure_splits(self) -> None:
+        """The step's measured peak beside each split's prediction, then into the results."""
+        peak = self.sim_device.step_peak_bytes / self.sim_device.capacity_bytes
+        for entry in self._split_pending:
+            entry["measured"] = {"peak_frac": round(peak, 4)}
+            self.decisions.append(entry)
+            self._trace_event("decision", **entry)
+            logger.warning("%s (measured peak %.0f%%)", entry["reason"], 100 * peak)
+        self._split_pending = []
+
+    def _trace_steps(self, stats: list[StepStats]) -> None:
+        for s in stats:
+            self._trace_event("step", step=s.step, total_s=round(s.total_s, 6),
+                              data_wait_s=round(s.data_wait_s, 6),
+                              compute_s=round(s.compute_s, 6),
+                              comm_wait_s=round(s.comm_wait_s, 6), memory_frac=s.memory_frac,
+                              micro_batch=self.micro_batch, grad_accum=self.grad_accum)
 
     def _stats_due(self, step: int, local: list[Decision]) -> bool:
         """Whether the boundary after ``step`` steps reads the guard's StepStats: every
@@ -526,10 +743,15 @@ class GuardedTrainLoop:
         Returns True when the run stops here."""
         cfg = self.config
         checkpoint_now = step % cfg.every_checkpoint == 0 and step < self.total_steps
+        act = cfg.act
         for decision in local:
-            self._record(step, decision)
+            self._record(step, decision, applied=act or decision.action is Action.SLOW_STEP)
+            if not act:
+                continue
             if decision.action is Action.CHECKPOINT_AND_STOP and self._local_stop is None:
                 self._local_stop = decision
+            elif decision.action is Action.SLOW_STEP and decision.cause is Cause.DATA:
+                self._add_loader_workers(step, decision)
         due = [d for d in self.pending if d.step is not None and d.step <= step]
         self.pending = [d for d in self.pending if d not in due]
         control = self.control
@@ -541,7 +763,9 @@ class GuardedTrainLoop:
                  and decision.step > step else due.append(decision))
         stop = False
         for decision in due:
-            self._record(step, decision, applied=self._concerns_me(decision))
+            self._record(step, decision, applied=act and self._concerns_me(decision))
+            if not act:
+                continue
             checkpoint_now |= self._apply_cluster(decision)
             stop |= decision.action is Action.CHECKPOINT_AND_STOP
         if stop:
@@ -561,10 +785,49 @@ class GuardedTrainLoop:
         if stop:
             logger.warning("rank %d: checkpoint and stop at step %d: %s", self.rank, step,
                            self.stop_reason)
+            if cfg.restart_after_stop:
+                self.restart_reason = self.stop_reason
             return True
         if checkpoint_now:
             self._checkpoint({"kind": "periodic"})
         return False
+
+    def _add_loader_workers(self, step: int, decision: Decision) -> None:
+        """Slow steps caused by data on this rank: rebuild its loader at the same position with
+        twice the workers (at most ``max_workers_per_gpu``; the loader keeps prefetch inside the
+        host budget), at most once per ``decision_cooldown_steps``. Rank-local: the batches and
+        their order do not change, only who reads them."""
+        guard = self.config.guard
+        if self._loader_workers_at is not None and \
+                step - self._loader_workers_at < guard.decision_cooldown_steps:
+            return
+        old = self.loader
+        workers = old.plan.num_workers
+        new_workers = min(guard.max_workers_per_gpu, max(2, 2 * workers))
+        if new_workers <= workers:
+            return
+        self._loader_workers_at = step
+        try:
+            new = self._make_loader(old.dataset, self.micro_batch, num_workers=new_workers)
+            new.load_state_dict(old.state_dict())
+        except Exception:  # noqa: BLE001 - fail open: keep the loader it has
+            logger.warning("rank %d: loader with more workers failed", self.rank, exc_info=True)
+            return
+        old.close()
+        self.loader = new
+        if self.guard.loader_attached:
+            self.guard.attach_loader(new)
+        entry = {"action": "add_loader_workers", "step": step, "applied_at": step,
+                 "scope": "rank", "cause": "data", "world_rank": self.rank, "decision_id": 0,
+                 "applied": True, "params": {"num_workers": new_workers,
+                                             "prefetch_factor": new.plan.prefetch_factor},
+                 "reason": (f"rank {self.rank} step {step}: data wait made its steps slow "
+                            f"({decision.reason}); DataLoader workers {workers} -> "
+                            f"{new_workers}, prefetch_factor {new.plan.prefetch_factor} "
+                            f"(host budget {new.plan.budget_bytes / 2**20:.0f} MiB)")}
+        self.decisions.append(entry)
+        self._trace_event("decision", **entry)
+        logger.warning("%s", entry["reason"])
 
     def _concerns_me(self, decision: Decision) -> bool:
         """Whether this rank acts on ``decision``: a ``node:<id>`` decision only on the ranks of
@@ -678,6 +941,8 @@ class GuardedTrainLoop:
         entry = decision.to_dict()
         entry.update(applied_at=step, world_rank=self.rank, applied=applied)
         self.decisions.append(entry)
+        if self._trace is not None:
+            self._trace_event("decision", **entry)
 
     def _log_ids(self, step: int, batch: Any) -> None:
         ids = batch.get(self.config.sample_id_key) if isinstance(batch, Mapping) else None
@@ -685,7 +950,8 @@ class GuardedTrainLoop:
             return
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         self._audit.write(json.dumps({"step": step, "epoch": self.loader.epoch, "ids": ids,
-                                      "resumed_from": self.resumed_from}) + "\n")
+                                      "resumed_from": self.resumed_from,
+                                      "attempt": self.attempt}) + "\n")
         self._audit.flush()
 
     # -- checkpoints and results -----------------------------------------------------------------
@@ -766,6 +1032,17 @@ class GuardedTrainLoop:
 
 
 _OTHER_RANK_STOP = "another rank's gate asked to checkpoint and stop"
+_HANG_EXIT_CODE = 75     # EX_TEMPFAIL: the watchdog ended a hung process; Ray restarts the group
+
+
+class RestartRequested(GuardError):
+    """Raised on every rank after a guard stop with ``restart_after_stop``: the checkpoint is
+    written, and Ray's FailureConfig restarts the group from it in fresh processes."""
+
+
+def _batch_elements(batch: Any) -> int:
+    from raytrain_guard.runtime.batches import iter_tensors
+    return sum(t.numel() for t in iter_tensors(batch))
 
 
 # -- helpers -------------------------------------------------------------------------------------

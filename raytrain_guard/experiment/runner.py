@@ -1,0 +1,220 @@
+"""The before/after experiment: the same training with the guard observing and acting.
+
+:func:`run_experiment` runs one training per arm on the Ray cluster ``ray.init()`` finds (a local
+one by default), same seed, same data order, same fault schedule, each under
+``FailureConfig(max_failures)`` as a user would run it:
+
+* ``observe``: the shared train loop with every measurement on and every action off (the same
+  code path: the gate, the coordinator and the watchdog decide; nothing is applied);
+* ``act``: the guard as shipped, with ``restart_after_stop`` (a guard stop checkpoints and has
+  Ray restart the group from that checkpoint in fresh processes).
+
+It then reads what each arm's ranks wrote (:mod:`raytrain_guard.experiment.analysis`) and
+writes ``report.md`` and the plots (:mod:`raytrain_guard.experiment.report`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.faults import FaultSpec
+from raytrain_guard.errors import InputError
+from raytrain_guard.experiment import analysis
+from raytrain_guard.units import MiB
+
+logger = logging.getLogger(__name__)
+
+ARMS = ("observe", "act")
+BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
+            "dataset_factory": "raytrain_guard.experiment.model:make_dataset",
+            "optimizer_factory": "raytrain_guard.experiment.model:make_optimizer",
+            "loss_fn": "raytrain_guard.experiment.model:loss_fn"}
+#: the built-in job's simulated card: its normal peak (~1.7 MB at micro-batch 8) is ~40 % of it,
+#: so an 8x activation spike overflows it and a leak of 32 KiB a step reaches it in ~70 steps
+BUILT_IN_DEVICE_MEMORY_BYTES = 4 * MiB
+#: the observe arm's hang ends at the collective timeout, set short so that it ends at all
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+RAY_DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class ExperimentSetup:
+    """One experiment: faults, arms and the training both arms run."""
+
+    faults: Sequence[FaultSpec]
+    arms: Sequence[str] = ARMS
+    num_workers: int = 2
+    epochs: int = 2
+    max_steps: int | None = None
+    seed: int = 0
+    device_memory_bytes: int | None = None
+    strategy: str = "ddp"
+    micro_batch: int = 8
+    grad_accum: int = 1
+    factories: Mapping[str, str] = field(default_factory=lambda: dict(BUILT_IN))
+    num_samples: int | None = None          # the dataset's size, for the exactly-once audit
+    max_failures: int = 2
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    checkpoint_every_steps: int = 25
+    guard: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def built_in(self) -> bool:
+        return dict(self.factories) == BUILT_IN
+
+    def check(self) -> None:
+        """Bad input as one InputError naming the flag and the fix."""
+        for arm in self.arms:
+            if arm not in ARMS:
+                raise InputError("--arms", f"unknown arm {arm!r}", value=",".join(self.arms),
+                                 fix="use observe, act or observe,act")
+        for f in self.faults:
+            if any(r >= self.num_workers for r in f.ranks):
+                raise InputError("--fault", f"rank {max(f.ranks)} of {f} is not below "
+                                 f"--workers {self.num_workers}", value=str(f),
+                                 fix=f"use ranks 0..{self.num_workers - 1}")
+            if f.kind == "comm_delay" and self.strategy not in ("ddp", "zero1"):
+                raise InputError("--fault", "comm_delay is injected in the DDP communication "
+                                 "hook", value=str(f), fix="use --strategy ddp or zero1 with it")
+        memory_kinds = {"memory_growth", "activation_spike"}
+        if any(f.kind in memory_kinds for f in self.faults) and not self.card_bytes():
+            raise InputError("--device-memory", "memory faults need a card to overflow",
+                             value=None, fix="pass --device-memory SIZE (e.g. 4MiB)")
+
+    def card_bytes(self) -> int | None:
+        if self.device_memory_bytes is not None:
+            return self.device_memory_bytes
+        return BUILT_IN_DEVICE_MEMORY_BYTES if self.built_in else None
+
+
+def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any]:
+    """The train loop's config of one arm (the same for both but ``act``)."""
+    act = arm == "act"
+    config: dict[str, Any] = {
+        **setup.factories, "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum,
+        "epochs": setup.epochs, "seed": setup.seed, "strategy": setup.strategy,
+        "checkpoint_every_steps": setup.checkpoint_every_steps, "measure_bandwidth": False,
+        "num_workers": 0, "act": act, "restart_after_stop": act,
+        "device_memory_bytes": setup.card_bytes(),
+        "trace_dir": os.path.join(arm_dir, "trace"), "audit_dir": os.path.join(arm_dir, "audit"),
+        "faults": {"inject": [f.to_dict() for f in setup.faults],
+                   "marker_dir": os.path.join(arm_dir, "markers")},
+        "guard": dict(setup.guard)}
+    if setup.max_steps is not None:
+        config["max_steps"] = setup.max_steps
+    return config
+
+
+def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
+            namespace: str = "raytrain_guard") -> dict[str, Any]:
+    """Run one arm and return its figures (the ARM object of the report)."""
+    from raytrain_guard.cluster.launcher import launch
+
+    os.makedirs(os.path.join(arm_dir, "markers"), exist_ok=True)
+    storage = tempfile.mkdtemp(prefix=f"rtg-exp-{arm}-")
+    started = time.perf_counter()
+    error = None
+    try:
+        launch(loop_config(setup, arm, arm_dir), num_workers=setup.num_workers,
+               config=GuardConfig.from_dict(dict(setup.guard)) if setup.guard else None,
+               plan=False, run_id=f"{arm}-{uuid.uuid4().hex[:6]}", namespace=namespace,
+               storage_path=storage, max_failures=setup.max_failures,
+               collective_timeout_s=setup.collective_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - an arm that fails is a result, not an error
+        error = _one_line(exc)
+        logger.info("arm %s failed: %s", arm, error)
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    wall = time.perf_counter() - started
+    result = analysis.analyze_arm(arm_dir, setup.faults, num_samples=_num_samples(setup),
+                                  launch_error=error, wall_s=wall)
+    if any(f.kind == "hang" for f in setup.faults) and arm == "observe":
+        result["hang_cost_at_default_timeout_s"] = RAY_DEFAULT_COLLECTIVE_TIMEOUT_S
+    return result
+
+
+def run_experiment(setup: ExperimentSetup, out_dir: str, *,
+                   progress: Callable[[str], None] | None = None,
+                   namespace: str = "raytrain_guard") -> dict[str, Any]:
+    """Every arm, one after the other, then the report. Returns the ``--json`` object."""
+    import ray
+
+    from raytrain_guard.experiment.report import write_report
+
+    setup.check()
+    os.makedirs(out_dir, exist_ok=True)
+    started_ray = False
+    if not ray.is_initialized():
+        ray.init(address="local", namespace=namespace,
+                 num_cpus=max(4, setup.num_workers + 2), include_dashboard=False,
+                 log_to_driver=False, logging_level="error")
+        started_ray = True
+    arms: dict[str, Any] = {}
+    try:
+        for arm in setup.arms:
+            if progress:
+                progress(f"arm {arm}: training {setup.num_workers} workers with the guard "
+                         + ("observing only" if arm == "observe" else "acting") + " ...")
+            t0 = time.perf_counter()
+            arms[arm] = run_arm(setup, arm, os.path.join(out_dir, arm), namespace=namespace)
+            if progress:
+                a = arms[arm]
+                progress(f"arm {arm}: {'completed' if a['completed'] else 'did not complete'}"
+                         f", {a['steps']}/{a['total_steps']} steps, {a['attempts']} attempt(s)"
+                         f" in {time.perf_counter() - t0:.0f} s"
+                         + (f"; {a['error']}" if a["error"] else ""))
+    finally:
+        if started_ray:
+            ray.shutdown()
+    result = {"arms": arms, "faults": [str(f) for f in setup.faults],
+              "device": _device_line(setup), "machine": machine_line()}
+    report, plots = write_report(result, out_dir, setup)
+    result["report"], result["plots"] = report, plots
+    return result
+
+
+def _num_samples(setup: ExperimentSetup) -> int | None:
+    if setup.num_samples is not None:
+        return setup.num_samples
+    if setup.built_in:
+        from raytrain_guard.experiment.model import NUM_SAMPLES
+        return NUM_SAMPLES
+    return None
+
+
+def _device_line(setup: ExperimentSetup) -> str:
+    card = setup.card_bytes()
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        cuda = False
+    if card is None:
+        return "no device-memory limit (memory faults off)"
+    if cuda:
+        return f"CUDA card capped at {card / MiB:.0f} MiB (set_per_process_memory_fraction)"
+    return (f"simulated card of {card / MiB:.1f} MiB per rank on CPU (parameters, gradients, "
+            "optimizer state, saved activations and fault memory counted; past it "
+            "torch.OutOfMemoryError)")
+
+
+def machine_line() -> str:
+    import ray
+    import torch
+    return (f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, ray {ray.__version__}")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
