@@ -207,6 +207,29 @@ class GuardConfig:
         "the policy checkpoints and stops before an out-of-memory. Default 0.98: one more "
         "activation-sized allocation from the end of the card.", 0.0, 1.0, lo_open=True)
 
+    # -- noise and effects (issue 11: decisions that know their effect) ----------------------
+    slow_step_floor_s: float = _doc(
+        0.002, "Absolute floor under a slowdown: a step is slow only when it exceeds the recent "
+        "median by at least this many seconds, and a rank is a straggler only when it adds at "
+        "least this much per step over the reference rank. Default 2 ms: issue 11's clean "
+        "2-rank CPU run flagged a rank for 0.4 ms of a 4 ms step; clean CPU steps measured on "
+        "the 2-core CI box jitter by 0.04-0.16 ms (MAD), and the smallest slowdown the guard "
+        "must name (x2.5 compute on a 3 ms step) adds 4.5 ms.", 0.0)
+    slow_step_mad_k: float = _doc(
+        3.5, "Robust spread: a step is slow only when it exceeds the recent median by this many "
+        "robust standard deviations (1.4826 x the median absolute deviation), and a rank's "
+        "excess over the reference must clear this many of its own. Default 3.5: Iglewicz and "
+        "Hoaglin's cut-off for the modified z-score.", 0.0)
+    cache_release_min_frac: float = _doc(
+        0.05, "A cache release is decided only when a rank's allocator holds at least this "
+        "fraction of the card cached but unallocated (reserved - allocated). Default 5 %: the "
+        "fragmentation reserve the planner sets aside (fragmentation_frac); less is the "
+        "allocator's normal slack, not worth a device synchronization on every rank.", 0.0, 1.0)
+    effect_min_share: float = _doc(
+        0.5, "An action whose measured effect (over decision_cooldown_steps after its apply "
+        "step) is below this share of its predicted effect is not repeated for that cause; the "
+        "policy escalates. Default 0.5: issue 11's rule (below half its prediction).", 0.0, 1.0)
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)

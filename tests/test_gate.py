@@ -361,3 +361,48 @@ def test_slope(points, expected):
 def test_nearest_rank(values, q, expected):
     from raytrain_guard.core.stats import nearest_rank
     assert nearest_rank(values, q) == expected
+
+
+# -- noise: floor and robust spread (issue 11) ---------------------------------------------------
+
+def _ms_steps(totals_ms, first=0):
+    return [StepStats(step=first + i, total_s=t * 1e-3, forward_s=t * 1e-3)
+            for i, t in enumerate(totals_ms)]
+
+
+NOISE_CASES = [
+    # (name, config changes, window totals in ms after 2 warm-up steps, run totals, events)
+    # A wide but steady box: steps cycle 3 / 4 / 5 ms -> median 4.0, MAD 1.0 ms, robust sigma
+    # 1.4826 ms; threshold 4.0 + 3.5 x 1.4826 = 9.19 ms (not 1.5 x 4 = 6): three 7 ms steps
+    # are this box's noise, three 12.5 ms steps (x2.5 of 5) are a slowdown.
+    ("wide box, 7 ms steps", {}, [3.0, 4.0, 5.0] * 7, [7.0] * 3, 0),
+    ("wide box, 12.5 ms steps", {}, [3.0, 4.0, 5.0] * 7, [12.5] * 3, 1),
+    ("wide box, no spread term", {"slow_step_mad_k": 0.0}, [3.0, 4.0, 5.0] * 7, [7.0] * 3, 1),
+    # Sub-millisecond steps: median 0.4 ms, 1.5 x = 0.6 ms, but the floor asks 0.4 + 2 = 2.4 ms
+    ("0.4 ms steps, 0.9 ms run", {}, [0.4] * 20, [0.9] * 3, 0),
+    ("0.4 ms steps, no floor", {"slow_step_floor_s": 0.0}, [0.4] * 20, [0.9] * 3, 1),
+    ("0.4 ms steps, 2.5 ms run", {}, [0.4] * 20, [2.5] * 3, 1),
+]
+
+
+@pytest.mark.parametrize("name,changes,window_ms,run_ms,expected", NOISE_CASES,
+                         ids=[c[0] for c in NOISE_CASES])
+def test_floor_and_robust_spread(name, changes, window_ms, run_ms, expected):
+    gate = StepGate(GuardConfig(**changes), clock=FakeClock())
+    steps = _ms_steps([4.0, 4.0] + window_ms + run_ms)
+    events = [d for s in steps for d in gate.observe(s) if d.action is Action.SLOW_STEP]
+    assert len(events) == expected
+    if name == "wide box, 12.5 ms steps":
+        assert "recent median 0.0040 s + 3.5 x robust spread 0.0015 s" in events[0].reason
+        assert events[0].params["threshold_s"] == pytest.approx(0.0040 + 3.5 * 1.4826 * 0.001)
+
+
+def test_quiet_bound_holds_with_the_floor():
+    # 0.4 ms steps: the quiet bound is max(1.5 x 0.4, 0.4 + 2) ms = 2.4 ms, and a step at the
+    # bound decides nothing (StepGuard's fast path relies on it)
+    gate = StepGate(GuardConfig(), clock=FakeClock())
+    for s in _ms_steps([0.4] * 12):
+        gate.observe(s)
+    bound_s, _ = gate.quiet_limits(1)
+    assert bound_s == pytest.approx(0.0024)
+    assert all(gate.observe(s) == [] for s in _ms_steps([bound_s * 1e3] * 5, first=12))

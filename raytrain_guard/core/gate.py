@@ -14,9 +14,15 @@ Rules, every threshold from :class:`~raytrain_guard.config.GuardConfig`:
   least-squares line through the last ``memory_trend_steps`` readings that reaches 0.90 within
   ``memory_predict_steps`` steps -> ``CHECKPOINT_AND_STOP``, at most once per gate. The worker
   is alone here; the cluster layer may turn the same signal into a cluster action.
-* **Slow steps.** A step is slow when ``total_s`` exceeds ``slow_step_abs_s`` (when set) or
-  ``slow_step_factor`` x the median of the last ``step_window`` steps (at least three of them).
-  ``num_slow_steps`` slow steps in a row -> one ``SLOW_STEP`` event per run of slow steps,
+* **Slow steps.** A step is slow when ``total_s`` exceeds ``slow_step_abs_s`` (when set and
+  lower), or else the median of the last ``step_window`` steps (at least three of them) plus the
+  largest of: ``slow_step_factor - 1`` times it, the absolute floor ``slow_step_floor_s`` and
+  ``slow_step_mad_k`` robust standard deviations of the window (1.4826 x its median absolute
+  deviation, computed only for a step over the first two). A relative threshold alone cries
+  wolf on a noisy median of millisecond steps (issue 11: 19 events in 640 clean steps).
+  ``num_slow_steps`` slow steps in a row, each slow in the same component (the one that grew
+  most over its window median: a preemption lands in a random phase, a real slowdown stays in
+  one) -> one ``SLOW_STEP`` event per run of slow steps,
   with the cause of the component that grew most against its own recent median: data wait
   -> ``DATA``, compute (forward + backward + optimizer) -> ``COMPUTE``, communication wait
   -> ``COMMUNICATION`` (so communication is named only when compute grew less than it).
@@ -45,7 +51,7 @@ from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
-from raytrain_guard.core.stats import slope
+from raytrain_guard.core.stats import robust_sigma, slope
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import StragglerScore, TimingSummary, score_summaries, summarize
 from raytrain_guard.errors import InputError
@@ -75,6 +81,7 @@ class StepGate:
         self._memory: deque[float] = deque(maxlen=config.memory_trend_steps)
         self._run: list[StepStats] = []          # the current run of consecutive slow steps
         self._run_reported = False
+        self._run_cause: Cause | None = None     # the component the current run is slow in
         self._num_seen = 0
         self._armed = True                       # watermark rule may fire
         self._last_release_s: float | None = None
@@ -105,14 +112,29 @@ class StepGate:
         totals = self._sorted_totals
         n = len(totals)
         threshold_s = cfg.slow_step_abs_s
+        median_s = None
         if n >= _MIN_MEDIAN_POINTS:
             mid = n // 2
-            relative_s = cfg.slow_step_factor * (totals[mid] if n % 2
-                                                 else (totals[mid - 1] + totals[mid]) / 2)
+            median_s = totals[mid] if n % 2 else (totals[mid - 1] + totals[mid]) / 2
+            relative_s = max(cfg.slow_step_factor * median_s, median_s + cfg.slow_step_floor_s)
             if threshold_s is None or relative_s < threshold_s:
                 threshold_s = relative_s
+            else:
+                median_s = None                 # the absolute rule decides: no spread test
         total_s = stats.total_s
+        if threshold_s is not None and total_s > threshold_s and median_s is not None \
+                and cfg.slow_step_mad_k > 0:
+            # over the cheap line: the robust spread of the window raises it on a noisy box
+            # (computed only here, for a step that may be slow)
+            threshold_s = max(threshold_s, median_s + cfg.slow_step_mad_k
+                              * robust_sigma(totals, median_s))
         if threshold_s is not None and total_s > threshold_s:
+            # persistence in one cause: a step slow in another component than the run's starts
+            # a new run (random outliers land in random phases; a real slowdown stays put)
+            cause = self._step_cause(stats)
+            if self._run and cause is not self._run_cause:
+                self._run.clear()
+            self._run_cause = cause
             self._run.append(stats)
             if len(self._run) >= cfg.num_slow_steps and not self._run_reported:
                 self._run_reported = True
@@ -177,8 +199,10 @@ class StepGate:
         (StepGuard's fast path). None: no such bound now (fewer than three steps in the
         window: the next step may be the first one judged).
 
-        The time bound is the lower of ``slow_step_abs_s`` and ``slow_step_factor`` x the
-        ``(n - 1) // 2 - (num_steps - 1)``-th smallest of the window's n totals: after j <
+        The time bound is the lower of ``slow_step_abs_s`` and the larger of
+        ``slow_step_factor`` x m and m + ``slow_step_floor_s``, m the
+        ``(n - 1) // 2 - (num_steps - 1)``-th smallest of the window's n totals (the spread term
+        only raises a threshold, so leaving it out keeps the bound safe): after j <
         num_steps more steps enter the window (j evicted, or none while it fills) its median is
         at least the ``(n - 1) // 2 - j``-th of today's, so the threshold of each of those steps
         is at least this bound; 0 when that index is below 0. The memory bound is the re-arm
@@ -190,7 +214,9 @@ class StepGate:
             return None
         cfg = self.config
         index = (n - 1) // 2 - (num_steps - 1)
-        bound_s = cfg.slow_step_factor * totals[index] if index >= 0 else 0.0
+        low_s = totals[index] if index >= 0 else 0.0
+        bound_s = max(cfg.slow_step_factor * low_s, low_s + cfg.slow_step_floor_s) \
+            if index >= 0 else 0.0
         if cfg.slow_step_abs_s is not None:
             bound_s = min(bound_s, cfg.slow_step_abs_s)
         quiet_frac = (cfg.memory_watermark_frac - cfg.memory_hysteresis_frac
@@ -208,6 +234,7 @@ class StepGate:
             "memory": list(self._memory),
             "run": [s.to_dict() for s in self._run],
             "run_reported": self._run_reported,
+            "run_cause": None if self._run_cause is None else self._run_cause.value,
             "num_seen": self._num_seen,
             "armed": self._armed,
             "pacing": self._pacing,
@@ -227,6 +254,8 @@ class StepGate:
                              maxlen=self.config.memory_trend_steps)
         self._run = [StepStats.from_dict(d) for d in state["run"]]
         self._run_reported = bool(state["run_reported"])
+        run_cause = state.get("run_cause")       # absent in states saved before issue 11
+        self._run_cause = None if run_cause is None else Cause(run_cause)
         self._num_seen = int(state["num_seen"])
         self._armed = bool(state["armed"])
         self._stopped = False              # a resumed run is protected anew (older states
@@ -279,8 +308,32 @@ class StepGate:
         cfg = self.config
         if cfg.slow_step_abs_s is not None and threshold_s == cfg.slow_step_abs_s:
             return f"absolute {cfg.slow_step_abs_s:g} s"
-        median_s = threshold_s / cfg.slow_step_factor
-        return f"{cfg.slow_step_factor:g} x recent median {median_s:.4f} s"
+        totals = self._sorted_totals
+        if len(totals) < _MIN_MEDIAN_POINTS:
+            return "no baseline"
+        median_s = statistics.median(totals)
+        sigma_s = robust_sigma(totals, median_s)
+        terms = [(cfg.slow_step_factor * median_s,
+                  f"{cfg.slow_step_factor:g} x recent median {median_s:.4f} s"),
+                 (median_s + cfg.slow_step_floor_s,
+                  f"recent median {median_s:.4f} s + floor {cfg.slow_step_floor_s:g} s"),
+                 (median_s + cfg.slow_step_mad_k * sigma_s,
+                  f"recent median {median_s:.4f} s + {cfg.slow_step_mad_k:g} x robust spread "
+                  f"{sigma_s:.4f} s")]
+        return max(terms, key=lambda t: t[0])[1]
+
+    def _step_cause(self, stats: StepStats) -> Cause:
+        """The component of one slow step that grew most over its median in the window
+        (UNKNOWN when none grew: the untimed rest of the step did)."""
+        window = self._window
+        if not window:
+            return Cause.UNKNOWN
+        best, cause = 0.0, Cause.UNKNOWN
+        for c, _, get in _COMPONENTS:
+            growth = get(stats) - statistics.median([get(s) for s in window])
+            if growth > best:
+                best, cause = growth, c
+        return cause
 
     def _slow_step_decision(self, stats: StepStats, threshold_s: float) -> Decision:
         rule = self._rule_text(threshold_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Sequence
 
 
@@ -30,3 +31,20 @@ def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
     if not sorted_values:
         raise ValueError("nearest_rank of no values")
     return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
+
+
+MAD_TO_SIGMA = 1.4826
+"""Median absolute deviation -> standard deviation of a normal distribution (1 / 0.6745)."""
+
+
+def robust_sigma(values: Sequence[float], median: float | None = None) -> float:
+    """1.4826 x the median absolute deviation of ``values`` (around ``median`` when given):
+    a spread that a few outliers do not move. 0 for no values.
+
+    Example: [3, 4, 4, 5, 30] ms -> median 4, deviations [1, 0, 0, 1, 26] -> MAD 1 ms ->
+    1.4826 ms (the standard deviation would be 11.4 ms, blown up by the one outlier).
+    """
+    if not values:
+        return 0.0
+    center = statistics.median(values) if median is None else median
+    return MAD_TO_SIGMA * statistics.median([abs(v - center) for v in values])
