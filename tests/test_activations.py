@@ -21,11 +21,11 @@ LAYER = [
     (True, "math", "selective", "bf16", 34 * 2048),
     # no dropout, math: 16 sbh elements * 2 bytes + softmax output a s^2 b * 2
     (False, "math", "none", "bf16", 32 * 2048 + 2 * 4096),
-    # flash: 16 sbh * 2 + the kernel's own output sbh * 2 (saved for its backward, besides the
-    # contiguous copy the output projection saves) + fp32 logsumexp 4 * a s b = 4 * 4 * 32
-    (False, "flash", "none", "bf16", 34 * 2048 + 512),
+    # flash: 16 sbh * 2 (its output, in (b, s, a, d) layout, is the projection's input: no
+    # contiguous copy) + fp32 logsumexp 4 * a s b = 4 * 4 * 32
+    (False, "flash", "none", "bf16", 32 * 2048 + 512),
     # flash with dropout: + two 1-byte masks 2 sbh (flash regenerates its own mask)
-    (True, "flash", "none", "bf16", 36 * 2048 + 512),
+    (True, "flash", "none", "bf16", 34 * 2048 + 512),
     # fp32 elements: 16 sbh * 4 + a s^2 b * 4
     (False, "math", "none", "fp32", 64 * 2048 + 4 * 4096),
     # per-op SAC, f = 4h = 256, no gate: matmuls Q, K, V, O, fc1, fc2 -> saved Q, V, fc1 =
@@ -57,17 +57,17 @@ def test_gated_mlp_and_grouped_query_attention():
     shape = TransformerShape(layers=1, hidden=64, heads=4, seq_len=32, vocab=100,
                              ffn_hidden=96, num_kv_heads=2, gated_mlp=True, bias=False)
     # no bias -> RMSNorm: each norm an fp32 copy 4 sbh + the normalised bf16 tensor 2 sbh:
-    # 2 * 6 * 2048 = 24576; attention input, Q, projection input, MLP input 4 * 2 sbh = 16384;
-    # K and V expanded to the 4 query heads (repeat_kv) 2 * 2 sbh = 8192; SDPA output 4096 +
-    # lse 4 * 4 * 32 = 512; gated MLP 4 * 2 * 32 * 96 = 24576 -> 78336
+    # 2 * 6 * 2048 = 24576; attention input, Q, projection input (= SDPA output), MLP input
+    # 4 * 2 sbh = 16384; K and V expanded to the 4 query heads (repeat_kv) 2 * 2 sbh = 8192;
+    # lse 4 * 4 * 32 = 512; gated MLP 4 * 2 * 32 * 96 = 24576 -> 74240
     assert layer_activation_bytes(shape, 1, Precision.BF16, AttentionKernel.FLASH,
-                                  Recompute.NONE) == 78336
+                                  Recompute.NONE) == 74240
     # with enable_gqa (no expansion) K and V keep their width 32: 2 * 2 * 32 * 32 = 4096
     narrow = TransformerShape(layers=1, hidden=64, heads=4, seq_len=32, vocab=100,
                               ffn_hidden=96, num_kv_heads=2, gated_mlp=True, bias=False,
                               expand_kv=False)
     assert layer_activation_bytes(narrow, 1, Precision.BF16, AttentionKernel.FLASH,
-                                  Recompute.NONE) == 78336 - 8192 + 4096
+                                  Recompute.NONE) == 74240 - 8192 + 4096
 
 
 def test_profile_outside_the_layers_and_amp_weight_copies():
@@ -75,10 +75,10 @@ def test_profile_outside_the_layers_and_amp_weight_copies():
     prof = transformer_activations(shape, precision="amp-bf16", attention="flash")
     # amp: residual stream fp32 (r = 4), matmul outputs bf16 (e = 2). Per layer: LayerNorms
     # 2 * 4 * 2048 = 16384; attention input, Q, K, V, projection input, MLP input 6 * 4096;
-    # MLP 2 * 2 * 32 * 256 = 32768; SDPA output 4096 + lse 512 -> 78336.
-    # per sample: 2 layers 156672 + final norm 4 * 2048 + head input 2 * 2048 = 12288
+    # MLP 2 * 2 * 32 * 256 = 32768; lse 512 -> 74240.
+    # per sample: 2 layers 148480 + final norm 4 * 2048 + head input 2 * 2048 = 12288
     #             + loss 12 * s * v = 38400 (fp32 log-probs, NLL grad, log-softmax grad)
-    assert prof.bytes_per_sample == 2 * 78336 + 12288 + 38400
+    assert prof.bytes_per_sample == 2 * 74240 + 12288 + 38400
     # autocast bf16 weight copies: 2 * (2 layers * 12 h^2 + v h) = 2 * (98304 + 6400)
     assert prof.fixed_bytes == 2 * (2 * 12 * 64 * 64 + 100 * 64)
     assert prof.source == "analytic"
@@ -168,8 +168,8 @@ def test_per_op_recompute_of_llama3_8b():
     # V (k), gate (f), down (h): 2 * (4096 + 1024 + 14336 + 4096) = 47104; SDPA output 2 h =
     # 8192 + lse 4 a = 128 -> 63616 bytes; 32 blocks x 8192 tokens = 16676552704
     # final RMSNorm (4 + 2) h + head input 2 h = 32768 per token -> 268435456
-    # loss 12 * 8192 * 128256 = 12608077824; a rebuilt block (221312 - 36992 reused per token
-    # = 1509949440) is smaller, so the peak is the loss's moment
+    # loss 12 * 8192 * 128256 = 12608077824; a rebuilt block (213120 - 36992 reused per token
+    # = 1442840576) is smaller, so the peak is the loss's moment
     assert prof.bytes_per_sample == 16676552704 + 268435456 + 12608077824
     assert any("per-op SAC" in n for n in prof.notes)
 
@@ -180,5 +180,5 @@ def test_per_op_peak_is_a_rebuilt_block_when_the_vocabulary_is_small():
     prof = transformer_activations(shape, precision="bf16", recompute="per-op")
     # saved per block: input 4096 + matmuls Q, V, gate, down (64+64+96+64) * 64 = 18432 +
     # SDPA 4096 + 512 = 27136; final 6 * 2048 + 4096 = 16384; loss 12 * 32 * 8 = 3072;
-    # a rebuilt block: 78336 (see above, k = h here: same) - reused SDPA 4608 - gate 6144
-    assert prof.bytes_per_sample == 2 * 27136 + 16384 + (78336 - 4608 - 6144)
+    # a rebuilt block: 74240 (see above, k = h here: same) - reused SDPA 4608 - gate 6144
+    assert prof.bytes_per_sample == 2 * 27136 + 16384 + (74240 - 4608 - 6144)

@@ -13,16 +13,18 @@ output promotes every residual add; 2 in bf16), one layer saves, in bytes:
 * attention: its input ``e th``, Q ``e th``, K and V ``2 e tk``, or ``2 e th`` when they are
   expanded to every query head for grouped-query attention (``repeat_kv``, what Llama code and a
   kernel without native GQA need; ``expand_kv=False`` when SDPA gets ``enable_gqa=True``), the
-  contiguous copy of the attention output that the output projection saves ``e th``; the
-  ``flash`` kernel also keeps its own output ``e th`` and a logsumexp ``4 a t`` (fp32), the
-  ``math`` kernel the softmax output ``e a s^2 b`` instead;
+  output projection's input ``e th``: with the ``math`` kernel a contiguous copy of the attention
+  output (``transpose(1, 2).contiguous()``), which also keeps the softmax output ``e a s^2 b``;
+  the ``flash`` kernel writes its output in (batch, seq, heads, dim) layout, so that
+  ``.contiguous()`` copies nothing and the tensor it saves for backward is the projection's
+  input (a trace of examples/llama.py shows no copy), plus a logsumexp ``4 a t`` (fp32);
 * MLP: its input ``e th``, then ``2 e tf`` (fc1 output, GeLU output) or ``4 e tf`` for a gated MLP
   (gate, SiLU output, up, their product);
 * with dropout, 1-byte masks ``2 th`` (and with the math kernel ``a s^2 b`` plus the
   dropped-out probabilities ``e a s^2 b``).
 
 For a LayerNorm model with ``f = 4h``, ``k = h``, the math kernel and dropout this is Korthikanti
-et al.'s ``34 sbh + 5 a s^2 b`` bytes in 16-bit (the flash kernel's own output aside).
+et al.'s ``34 sbh + 5 a s^2 b`` bytes in 16-bit.
 
 Outside the layers: the final norm and the output head's input; at the start of backward the
 loss holds three fp32 ``t x v`` tensors (the log-probabilities ``log_softmax`` saved, the NLL
@@ -209,12 +211,12 @@ def layer_parts(shape: TransformerShape, micro_batch: int, precision: Precision,
         "attention_in": e * t * h,
         "q": e * t * h,
         "kv": 2 * e * t * shape.attention_kv_dim,
-        "proj_in": e * t * h,               # contiguous copy of the attention output
+        "proj_in": e * t * h,   # math: contiguous copy; flash: the kernel's own output
         "mlp_in": e * t * h,
         "mlp": (4 if shape.gated_mlp else 2) * e * t * f,
     }
     if attention is AttentionKernel.FLASH:
-        parts["attention_out"] = e * t * h + 4 * a * t   # kernel output + fp32 logsumexp
+        parts["attention_lse"] = 4 * a * t               # fp32 logsumexp
     else:
         parts["scores"] = e * a * s * s * b              # softmax output
     if shape.dropout:
@@ -284,6 +286,7 @@ def transformer_activations(shape: TransformerShape, *, precision: Precision | s
     if recompute in (Recompute.FULL, Recompute.PER_OP):
         rebuilt = sum(layer_parts(shape, 1, precision, attention).values())
         if recompute is Recompute.PER_OP:
+            # the rebuilt block reuses the saved SDPA output (its projection input and lse)
             reused = per_op_saved(shape, 1, precision, attention).get("attention_out", 0)
             reused += ACTIVATION_BYTES[precision] * s * shape.ffn   # gate/fc1 output
             rebuilt -= reused

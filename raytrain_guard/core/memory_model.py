@@ -69,6 +69,15 @@ pads its flat parameters):
   output head, final norm), it is gathered through all of backward (FSDP2 does not reshard the
   root after forward) and the two buffers are those of the largest *other* unit.
 
+Runtime reserve: ``cuda_context_bytes`` plus ``fragmentation_frac`` of the tensor peak; under FSDP
+with the peak in backward also the previous step's gradient shards. ``zero_grad`` frees them
+before forward, but each unit's shards sit in one reduce-scatter output, smaller than the
+activations that follow, so the caching allocator keeps them reserved. Evidence: torchtitan's
+Llama 3.1 8B runs on 8 and 128 H100s (docs/benchmarks.md) differ by 15.4 GiB of reserved memory;
+the state that scales with 1/N accounts for 10.5 GiB at 12 bytes a parameter (fp32 parameters,
+Adam), for 15.4 GiB at 16 (gradients included) times the ~1.10 reserved/allocated ratio both
+runs share.
+
 Gradient accumulation (``grad_accum > 1``): the gradients of earlier micro-steps are alive during
 every later backward (DDP ``no_sync``; FSDP ``no_sync`` keeps them unsharded).
 """
@@ -362,6 +371,13 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
     phase = max(phases, key=lambda k: phases[k])
     peak = phases[phase]
     reserve = config.cuda_context_bytes + int(round(config.fragmentation_frac * peak))
+    if fsdp and phase == "backward" and setup.grad_accum == 1:
+        # the previous step's gradient shards, freed by zero_grad(set_to_none=True), leave
+        # holes (one per unit, smaller than the activations that follow) that stay reserved
+        reserve += grads
+        notes.append(f"reserve holds the previous step's gradient shards "
+                     f"({grads / MiB:.1f} MiB): freed before forward, their blocks are smaller "
+                     f"than the activations and stay reserved")
     breakdown = dict(parts[phase])
     breakdown["reserve"] = reserve
     notes.append(f"peak in {phase}: " + ", ".join(
