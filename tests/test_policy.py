@@ -6,6 +6,8 @@ report_every N=10, cooldown 20 steps, straggler_frac 0.10, host watermark 0.90.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from raytrain_guard.config import GuardConfig
@@ -162,7 +164,8 @@ def test_nvml_reading_counts_as_device_pressure():
     assert d.action is Action.RELEASE_CACHE
     assert d.step == 60
     assert d.reason == ("release cached memory on all ranks: node n1 GPU 2 at 95% of "
-                        "device memory (watermark 88%)")
+                        "device memory (watermark 88%); unpriced: no allocator figures "
+                        "reported, released once until memory falls under the re-arm line")
     assert str(d).startswith("release_cache at step 60 [cluster]: release cached memory")
 
 
@@ -187,42 +190,116 @@ def test_host_pressure_lowers_prefetch_on_that_node(prefetch, expected, note):
         assert _decide(v, out.state).decisions == ()
 
 
-def _straggler_view(gpus=()):
-    return view({0: rank(0, "n0"), 1: rank(1, "n0"), 2: rank(2, "n1"),
-                 3: rank(3, "n1", compute=0.9, comm=0.05)},
-                {"n0": node("n0"), "n1": node("n1", gpus=gpus)})
+def _straggler_view(gpus=(), slow=(3,), nodes=("n0", "n0", "n1", "n1"), workers=(), **slow_kw):
+    slow_kw = slow_kw or dict(compute=0.9, comm=0.05)
+    ranks = {r: rank(r, n, **(slow_kw if r in slow else {})) for r, n in enumerate(nodes)}
+    host = HostSample(100 * GiB, 50 * GiB, workers=tuple(workers))
+    samples = {n: NodeSample(n, 1, "e", 0.0, host, tuple(gpus) if n == nodes[-1] else ())
+               for n in set(nodes)}
+    return view(ranks, samples)
 
 
-def test_straggler_node_flagged_once():
-    out = _decide(_straggler_view())
+STRAGGLER_SCOPE_CASES = [
+    # name, view arguments, expected (scope, target, world_ranks, cause, recommendation)
+    # Windows: 10 steps of 1.0 s; a slow rank computes 0.9 s against the reference 0.5 s at
+    # each of the last 3 steps: +0.4 s >= max(0.1 x 1.0 s, floor 2 ms, 3.5 x 1.41 x MAD 0).
+    # Rank 3 slow, rank 2 (same node) not: the rank, and its GPU, not the node.
+    ("one rank of a node", {}, ("node:n1", "rank", [3], Cause.COMPUTE, "check_gpu")),
+    # Ranks 2 and 3 (all of n1) slow: the node; drain it (another node carries on).
+    ("every rank of a node", {"slow": (2, 3)},
+     ("node:n1", "node", [2, 3], Cause.COMPUTE, "drain_node")),
+    # One rank per node: a slow rank's node cannot be told from its GPU: the rank.
+    ("one-rank nodes", {"nodes": ("n0", "n1"), "slow": (1,)},
+     ("node:n1", "rank", [1], Cause.COMPUTE, "check_gpu")),
+    # A one-node cluster: never drain the only node.
+    ("one node", {"nodes": ("n1", "n1", "n1", "n1")},
+     ("node:n1", "rank", [3], Cause.COMPUTE, "check_gpu")),
+    ("data on a rank", {"data": 0.45, "comm": 0.05},
+     ("node:n1", "rank", [3], Cause.DATA, "check_input")),
+]
+
+
+@pytest.mark.parametrize("name,kw,expected", STRAGGLER_SCOPE_CASES,
+                         ids=[c[0] for c in STRAGGLER_SCOPE_CASES])
+def test_straggler_scope_and_recommendation(name, kw, expected):
+    out = _decide(_straggler_view(**kw))
     (d,) = out.decisions
-    assert (d.action, d.scope, d.cause) == (Action.FLAG_STRAGGLER, "node:n1", Cause.COMPUTE)
-    assert d.params == {"node_id": "n1", "world_ranks": [3], "excess_frac": 0.4,
-                        "recommendation": "drain"}
-    assert d.reason == ("node n1 is a straggler (compute): rank 3 adds 40% of a 1000 ms step; "
-                        "recommend draining the node")
-    assert out.state.flagged_nodes == {"n1"}
-    assert _decide(_straggler_view(), out.state).decisions == ()
+    assert (d.scope, d.params["target"], d.params["world_ranks"], d.cause,
+            d.params["recommendation"]) == expected
+    assert "drain" not in d.reason or expected[1] == "node"
+    # named once: the next round with the same figures decides nothing
+    assert _decide(_straggler_view(**kw), out.state).decisions == ()
+    assert set(d.params["world_ranks"]) <= out.state.flagged_ranks
+
+
+def test_straggler_rank_reason_names_its_gpu_and_a_short_node_id():
+    node_id = "a1b2c3d4" + "e" * 48                       # a Ray node id: 56 hex digits
+    workers = [WorkerMemory(pid=13, world_rank=3, private_bytes=1)]
+    gpus = [GpuSample(0, 10, 100, process_pids=(12,)), GpuSample(1, 10, 100, process_pids=(13,))]
+    out = _decide(_straggler_view(gpus, nodes=("n0", "n0", node_id, node_id), workers=workers))
+    (d,) = out.decisions
+    assert d.params["gpu_index"] == 1 and d.params["node_id"] == node_id
+    assert d.reason.startswith("rank 3 (GPU 1, node a1b2c3d4...) is a straggler (compute): "
+                               "compute 900.0 ms vs 500.0 ms at steps 38-40, at least +400.0 ms "
+                               "a step each (threshold 100.0 ms, median step 1000.0 ms); "
+                               "recommend: check the clocks and throttle reasons of GPU 1 of "
+                               "node a1b2c3d4...")
+    assert node_id not in d.reason
+
+
+def test_straggler_node_reason_recommends_draining():
+    (d,) = _decide(_straggler_view(slow=(2, 3))).decisions
+    assert d.reason.startswith("node n1 is a straggler (compute): all its ranks [2, 3] are "
+                               "slow, worst rank 2: compute 900.0 ms")
+    assert d.reason.endswith("recommend: drain node n1")
+
+
+def test_a_flagged_rank_recovers_and_may_be_named_again():
+    out = _decide(_straggler_view())
+    healthy = _decide(_straggler_view(slow=()), out.state)
+    assert healthy.decisions == () and healthy.state.flagged_ranks == frozenset()
+    assert [d.action for d in _decide(_straggler_view(), healthy.state).decisions] == \
+        [Action.FLAG_STRAGGLER]
 
 
 def test_throttled_straggler_is_thermal():
     gpu = GpuSample(0, 10, 100, throttle_reasons=("thermal",))
     (d,) = _decide(_straggler_view([gpu])).decisions
     assert d.cause is Cause.THERMAL and "GPUs throttled (thermal)" in d.reason
+    assert "check the cooling and power cap" in d.reason
 
 
-def test_pacing_on_and_off_when_enabled():
+def _comm_view(rise):
+    """2 ranks, 10 steps of 1.0 s; communication wait 0.45 s, the last 3 steps ``rise`` more."""
+    def ranked(r):
+        steps = list(window(r))
+        for i in (-3, -2, -1):
+            s = steps[i]
+            steps[i] = StepStats(step=s.step, total_s=s.total_s + rise, data_wait_s=0.05,
+                                 forward_s=0.5, comm_wait_s=0.45 + rise, world_rank=r)
+        return RankView(r, "n0", tuple(steps))
+    return view({0: ranked(0), 1: ranked(1)})
+
+
+def test_pacing_only_against_communication_backpressure():
     cfg = CFG.replace(pacing_enabled=True)
+    # every rank waits 0.2 s more in communication (>= 0.1 x its 1.0 s median step): pace
+    out = _decide(_comm_view(0.2), cfg=cfg)
+    (d,) = out.decisions
+    assert (d.action, dict(d.params), d.cause) == (Action.PACE, {"delay_s": 0.05},
+                                                   Cause.COMMUNICATION)
+    assert out.state.pacing and out.state.last_pace_step == 60
+    # memory at the watermark is no reason to pace (a sleep lowers no peak): release only
     hot = view({0: rank(0, mem=0.89), 1: rank(1, mem=0.5)})
-    out = _decide(hot, cfg=cfg)
-    assert [(d.action, dict(d.params)) for d in out.decisions] == [
-        (Action.RELEASE_CACHE, {"memory_frac": 0.89}), (Action.PACE, {"delay_s": 0.05})]
-    cool = view({0: rank(0, mem=0.5), 1: rank(1, mem=0.5)})
-    off = _decide(cool, out.state, cfg=cfg)
-    assert [(d.action, dict(d.params)) for d in off.decisions] == [(Action.PACE, {"delay_s": 0.0})]
-    assert not off.state.pacing
-    # pacing is off by default: the same hot view releases only
-    assert [d.action for d in _decide(hot).decisions] == [Action.RELEASE_CACHE]
+    assert [d.action for d in _decide(hot, cfg=cfg).decisions] == [Action.RELEASE_CACHE]
+    # backpressure gone, after the cooldown (60 + 20 = 80 <= latest): stop pacing
+    calm = _comm_view(0.0)
+    assert _decide(calm, out.state, cfg=cfg).decisions == ()        # latest 40: too soon
+    later = dataclasses.replace(out.state, last_pace_step=20)
+    (off,) = _decide(calm, later, cfg=cfg).decisions
+    assert dict(off.params) == {"delay_s": 0.0} and not _decide(calm, later, cfg=cfg).state.pacing
+    # off by default
+    assert _decide(_comm_view(0.2)).decisions == ()
 
 
 @pytest.mark.parametrize("name,ranks,expected", STRAGGLER_CASES[:2],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -39,6 +40,12 @@ class Decision:
     ``step`` is the step boundary at which every rank concerned applies it (``None``: the next
     boundary of the rank that made it, for purely local decisions). ``scope`` is ``"rank"``,
     ``"node:<node id>"`` or ``"cluster"``.
+
+    ``predicted``: what the policy expected of the action before deciding it
+    (``core.effects.Effect.to_dict()``: ``memory_frac_before``, ``memory_frac_after``,
+    ``delta_frac``, ``cost_frac``, ``basis``), None when it was not priced. ``measured``: what
+    the coordinator measured over the window after the apply step (``core.effects.Measured.
+    to_dict()``, with ``missed``), None until then.
     """
 
     action: Action
@@ -48,22 +55,28 @@ class Decision:
     scope: str = "rank"
     params: Mapping[str, Any] = field(default_factory=dict)
     decision_id: int = 0
+    predicted: Mapping[str, Any] | None = None
+    measured: Mapping[str, Any] | None = None
 
     def at(self, step: int) -> "Decision":
         """The same decision, scheduled at ``step``."""
-        return Decision(self.action, self.reason, step, self.cause, self.scope,
-                        dict(self.params), self.decision_id)
+        return dataclasses.replace(self, step=step, params=dict(self.params))
 
     def to_dict(self) -> dict[str, Any]:
         return {"action": self.action.value, "reason": self.reason, "step": self.step,
                 "cause": self.cause.value, "scope": self.scope, "params": dict(self.params),
-                "decision_id": self.decision_id}
+                "decision_id": self.decision_id,
+                "predicted": None if self.predicted is None else dict(self.predicted),
+                "measured": None if self.measured is None else dict(self.measured)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Decision":
+        predicted, measured = d.get("predicted"), d.get("measured")
         return cls(Action(d["action"]), str(d["reason"]), d.get("step"),
                    Cause(d.get("cause", "unknown")), str(d.get("scope", "rank")),
-                   dict(d.get("params", {})), int(d.get("decision_id", 0)))
+                   dict(d.get("params", {})), int(d.get("decision_id", 0)),
+                   None if predicted is None else dict(predicted),
+                   None if measured is None else dict(measured))
 
     def __str__(self) -> str:
         when = f" at step {self.step}" if self.step is not None else ""

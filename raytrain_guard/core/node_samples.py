@@ -154,16 +154,42 @@ class RunSetup:
     micro_batch: int | None = None
     grad_accum: int | None = None
     prefetch_factor: int | None = None
+    # optional, for the policy's predictions (issue 11); None when the rank does not say
+    device: str | None = None             # "cuda" or "cpu": a CPU run has no cache to release
+    device_index: int | None = None       # the GPU this rank runs on (torch.cuda.current_device)
+    allocated_bytes: int | None = None    # torch.cuda.memory_allocated() at the step's end
+    reserved_bytes: int | None = None     # torch.cuda.memory_reserved() at the step's end
+    device_total_bytes: int | None = None  # the card's memory (torch.cuda.mem_get_info()[1])
+    num_workers: int | None = None        # DataLoader workers of this rank
+    batch_bytes: int | None = None        # host bytes of one batch in flight (pinned copy
+                                          # included when pin_memory)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "RunSetup":
         if not d:
             return cls()
-        values = {}
+        values: dict[str, Any] = {}
         for key in ("micro_batch", "grad_accum", "prefetch_factor"):
             v = d.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"setup {key} must be a positive integer, got {v!r}")
             values[key] = v
+        for key in ("device_index", "allocated_bytes", "reserved_bytes", "device_total_bytes",
+                    "num_workers", "batch_bytes"):
+            v = d.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"setup {key} must be an integer >= 0, got {v!r}")
+            values[key] = v
+        device = d.get("device")
+        if device is not None and device not in ("cuda", "cpu"):
+            raise ValueError(f"setup device must be 'cuda' or 'cpu', got {device!r}")
+        values["device"] = device
         return cls(**values)
+
+    @property
+    def cached_free_bytes(self) -> int | None:
+        """Reserved minus allocated: what a cache release can hand back (None: not reported)."""
+        if self.reserved_bytes is None or self.allocated_bytes is None:
+            return None
+        return max(0, self.reserved_bytes - self.allocated_bytes)
 

@@ -26,12 +26,13 @@ Worked example (4 ranks, every step 1.0 s, medians over each rank's window)::
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from raytrain_guard.core.decisions import Cause
-from raytrain_guard.core.stats import nearest_rank
+from raytrain_guard.core.stats import nearest_rank, robust_sigma
 from raytrain_guard.core.steps import StepStats
 
 
@@ -65,19 +66,26 @@ class TimingSummary:
     total_s: float
     num_steps: int
     total_p99_s: float = 0.0     # nearest-rank 99th percentile of the step times
+    # robust spread (1.4826 x MAD) of each component over the window: the rank's own noise
+    data_sigma_s: float = 0.0
+    compute_sigma_s: float = 0.0
+    comm_sigma_s: float = 0.0
 
 
 def summarize(window: Sequence[StepStats]) -> TimingSummary:
-    """Medians over a window (the coordinator does this once per report, not per round)."""
+    """Medians and robust spreads over a window (the coordinator does this once per report,
+    not per round)."""
     if not window:
         return TimingSummary(0.0, 0.0, 0.0, 0.0, 0)
     totals = sorted(s.total_s for s in window)
-    return TimingSummary(statistics.median([s.data_wait_s for s in window]),
-                         statistics.median([s.forward_s + s.backward_s + s.optimizer_s
-                                            for s in window]),
-                         statistics.median([s.comm_wait_s for s in window]),
-                         statistics.median(totals), len(totals),
-                         nearest_rank(totals, 0.99))
+    data = [s.data_wait_s for s in window]
+    compute = [s.forward_s + s.backward_s + s.optimizer_s for s in window]
+    comm = [s.comm_wait_s for s in window]
+    m_data, m_compute, m_comm = (statistics.median(data), statistics.median(compute),
+                                 statistics.median(comm))
+    return TimingSummary(m_data, m_compute, m_comm, statistics.median(totals), len(totals),
+                         nearest_rank(totals, 0.99), robust_sigma(data, m_data),
+                         robust_sigma(compute, m_compute), robust_sigma(comm, m_comm))
 
 
 def score_ranks(windows: Mapping[int, Sequence[StepStats]], *, min_steps: int = 3,
@@ -125,3 +133,98 @@ def score_summaries(summaries: Mapping[int, TimingSummary], *, min_steps: int = 
         scores[rank] = StragglerScore(rank, excess, cause, m.data_wait_s, m.compute_s,
                                       m.comm_wait_s, step_s, m.num_steps)
     return scores
+
+
+# -- persistent slowdowns, step by step ------------------------------------------------------
+
+_COMPONENTS = (("data", Cause.DATA, lambda s: s.data_wait_s, "data_sigma_s"),
+               ("compute", Cause.COMPUTE, lambda s: s.compute_s, "compute_sigma_s"),
+               ("communication", Cause.COMMUNICATION, lambda s: s.comm_wait_s, "comm_sigma_s"))
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """A rank slower than the reference rank at each of the last ``steps`` common steps.
+
+    ``excess_s`` is the smallest excess of the slow component over the per-step reference
+    (the lower median across ranks at the same step) over those steps: persistence, since
+    every one of them exceeds it. ``threshold_s`` is what it had to clear: the largest of
+    ``straggler_frac`` x the median step, the absolute floor, and ``mad_k`` x sqrt(2) x the
+    typical rank's robust spread of that component (an excess is the difference of two noisy
+    figures).
+    """
+
+    world_rank: int
+    cause: Cause
+    excess_s: float
+    threshold_s: float
+    component_s: float          # the rank's median of that component over those steps
+    reference_s: float          # the reference's median over those steps
+    step_s: float
+    steps: tuple[int, ...]
+
+    @property
+    def excess_frac(self) -> float:
+        return self.excess_s / self.step_s if self.step_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"world_rank": self.world_rank, "cause": self.cause.value,
+                "excess_s": round(self.excess_s, 6), "threshold_s": round(self.threshold_s, 6),
+                "component_s": round(self.component_s, 6),
+                "reference_s": round(self.reference_s, 6), "step_s": round(self.step_s, 6),
+                "steps": list(self.steps)}
+
+
+def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
+                         summaries: Mapping[int, TimingSummary], *, num_steps: int = 3,
+                         straggler_frac: float = 0.10, floor_s: float = 0.002,
+                         mad_k: float = 3.5) -> dict[int, Slowdown]:
+    """The ranks slow in data or compute (or, when none is, communication) at each of the last
+    ``num_steps`` steps that every rank has reported, against the per-step reference.
+
+    Step by step, not window medians: a slowdown is named ``num_steps`` steps after it starts
+    (once reported), and a step the whole group pays (a loaded shared box, a slow batch for
+    every rank) raises the reference with it, so nobody is blamed for it. Needs two ranks or
+    more with ``num_steps`` common steps; fewer gives {}.
+
+    Example (2 ranks, compute in ms at steps 8-10: rank 0 [3.0, 3.2, 2.9], rank 1 [7.5, 8.0,
+    7.4]; median step 4 ms, spreads 0.2 ms): reference (median_low) [3.0, 3.2, 2.9]; rank 1's
+    excess [4.5, 4.8, 4.5] -> 4.5 ms >= max(0.1 x 4, 2, 3.5 x 1.414 x 0.2 = 0.99) ms: COMPUTE.
+    """
+    ranks = [r for r, w in windows.items() if w and r in summaries]
+    if len(ranks) < 2 or num_steps < 1:
+        return {}
+    last = min(windows[r][-1].step for r in ranks)
+    aligned: dict[int, dict[int, StepStats]] = {}
+    for r in ranks:
+        found: dict[int, StepStats] = {}
+        for s in reversed(windows[r]):
+            if s.step <= last:
+                found[s.step] = s
+                if len(found) >= num_steps * 4:   # enough to find common steps
+                    break
+        aligned[r] = found
+    common = set.intersection(*(set(a) for a in aligned.values()))
+    steps = sorted(common)[-num_steps:]
+    if len(steps) < num_steps:
+        return {}
+    step_s = statistics.median([summaries[r].total_s for r in ranks])
+    if step_s <= 0:
+        return {}
+    found_slow: dict[int, Slowdown] = {}
+    for name, cause, get, sigma_field in _COMPONENTS:
+        if cause is Cause.COMMUNICATION and found_slow:
+            break     # communication waits are the symptom of the stragglers found
+        sigma = statistics.median_low([getattr(summaries[r], sigma_field) for r in ranks])
+        threshold = max(straggler_frac * step_s, floor_s, mad_k * math.sqrt(2) * sigma)
+        refs = [statistics.median_low([get(aligned[r][st]) for r in ranks]) for st in steps]
+        for r in ranks:
+            values = [get(aligned[r][st]) for st in steps]
+            excess = min(v - ref for v, ref in zip(values, refs))
+            if excess >= threshold and (r not in found_slow or
+                                        excess / threshold > found_slow[r].excess_s
+                                        / found_slow[r].threshold_s):
+                found_slow[r] = Slowdown(r, cause, excess, threshold,
+                                         statistics.median(values), statistics.median(refs),
+                                         step_s, tuple(steps))
+    return found_slow
