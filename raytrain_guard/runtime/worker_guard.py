@@ -33,7 +33,6 @@ goes on.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -108,14 +107,43 @@ class DropInDataLoader(GuardedDataLoader):
 
     A :class:`GuardedDataLoader` (sharded, sized, timed, resumable; ``prefetch_factor``,
     ``persistent_workers`` and ``multiprocessing_context`` kept) with what a Ray Train loop
-    expects of its DataLoader: ``loader.sampler.set_epoch(epoch)``. Settings the user wrote are
-    kept unless they exceed the host budget: then they are lowered with a warning
-    (:func:`lower_to_budget`), at construction and at every re-plan.
+    expects of its DataLoader: ``loader.sampler.set_epoch(epoch)``. Build it with
+    :meth:`keeping_settings`: settings the user wrote are kept unless they exceed the host
+    budget, then lowered with a warning (:func:`lower_to_budget`).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.lowered: list[str] = []          # the warnings, once each
+    def __init__(self, *args: Any, lowered: tuple[str, ...] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.lowered = list(lowered)
+        self._given = {"persistent_workers": bool(kwargs.get("persistent_workers", True)),
+                       "multiprocessing_context": kwargs.get("multiprocessing_context")}
+
+    @classmethod
+    def keeping_settings(cls, dataset: Any, batch_size: int, *, num_workers: int | None,
+                         prefetch_factor: int | None, config: GuardConfig,
+                         **kwargs: Any) -> DropInDataLoader:
+        """The loader with the user's ``num_workers``/``prefetch_factor`` (None: sized by the
+        guard), lowered to the host budget when they exceed it. The budget and the batch's bytes
+        come from a first loader without workers (no process started: it measures a batch)."""
+        lowered: tuple[str, ...] = ()
+        if num_workers and prefetch_factor:
+            probe = GuardedDataLoader(dataset, batch_size, config=config, num_workers=0,
+                                      watch_worker_memory=False,
+                                      **{k: v for k, v in kwargs.items()
+                                         if k not in ("persistent_workers", "watch_worker_memory",
+                                                      "multiprocessing_context")})
+            pinned = probe.device is not None and probe.device.type == "cuda" and \
+                torch.cuda.is_available()
+            cost = probe.probe_batch_bytes * (2 if pinned else 1)
+            budget = probe.plan.budget_bytes
+            probe.close()
+            num_workers, prefetch_factor, warning = lower_to_budget(
+                num_workers, prefetch_factor, cost, budget, config)
+            if warning is not None:
+                logger.warning("rank %s: DataLoader %s", kwargs.get("world_rank", "?"), warning)
+                lowered = (warning,)
+        return cls(dataset, batch_size, config=config, num_workers=num_workers,
+                   prefetch_factor=prefetch_factor, lowered=lowered, **kwargs)
 
     @property
     def sampler(self) -> _EpochSampler:
@@ -125,29 +153,14 @@ class DropInDataLoader(GuardedDataLoader):
 
     def settings(self) -> dict[str, Any]:
         """The DataLoader settings in force (what the summary reports)."""
-        return {"batch_size": self.batch_size, "num_workers": self.plan.num_workers,
-                "prefetch_factor": self.plan.prefetch_factor or None,
-                "persistent_workers": self._persistent_workers and self.plan.num_workers > 0,
-                "multiprocessing_context": _context_name(self._mp_context),
-                "world_size": self.world_size, "reason": self.plan.reason,
+        plan = self.plan
+        return {"batch_size": self.batch_size, "num_workers": plan.num_workers,
+                "prefetch_factor": plan.prefetch_factor or None,
+                "persistent_workers": self._given["persistent_workers"] and plan.num_workers > 0,
+                "multiprocessing_context": _context_name(
+                    self._given["multiprocessing_context"]),
+                "world_size": self.world_size, "reason": plan.reason,
                 "lowered": list(self.lowered)}
-
-    def _make_plan(self, batch_bytes: int) -> Any:
-        plan = super()._make_plan(batch_bytes)
-        if plan.num_workers == 0 or plan.host_bytes <= plan.budget_bytes:
-            return plan
-        cost = plan.host_bytes // (plan.num_workers * plan.prefetch_factor)
-        workers, prefetch, warning = lower_to_budget(plan.num_workers, plan.prefetch_factor,
-                                                     cost, plan.budget_bytes, self.config)
-        if warning is None:
-            return plan
-        if warning not in self.lowered:
-            self.lowered.append(warning)
-            logger.warning("rank %d: DataLoader %s", self.world_rank, warning)
-        return dataclasses.replace(
-            plan, num_workers=workers, prefetch_factor=prefetch,
-            host_bytes=workers * prefetch * cost, reason=plan.reason + "; " + warning,
-            warnings=tuple(w for w in plan.warnings if "host prefetch budget" not in w))
 
 
 class _EpochSampler:
@@ -161,10 +174,13 @@ class _EpochSampler:
         self._loader.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return len(self._loader._sampler)
+        return len(self._sampler())
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._loader._sampler, name)
+        return getattr(self._sampler(), name)
+
+    def _sampler(self) -> Any:
+        return self._loader._sampler
 
 
 def _context_name(context: Any) -> str | None:
@@ -366,7 +382,7 @@ class WorkerGuard:
             return loader
         given_workers = loader.num_workers or None        # 0: torch's default, sized here
         generator = loader.generator
-        new = DropInDataLoader(
+        new = DropInDataLoader.keeping_settings(
             loader.dataset, loader.batch_size,
             shuffle=isinstance(loader.sampler, torch.utils.data.RandomSampler),
             seed=int(generator.initial_seed()) if generator is not None else 0,

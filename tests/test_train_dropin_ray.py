@@ -1,0 +1,266 @@
+"""The drop-in on a real TorchTrainer run (gloo, 2 workers, CPU): a plain Ray Train script,
+converted by changing its imports and wrapping its optimizer, runs guarded.
+
+One Ray instance (with its dashboard: the state API lists the actors) and one run carry the
+checks:
+
+* the conversion is exactly the import line, the optimizer line and the two lines that honour
+  a stop (a textual diff of the two scripts);
+* rank 1 is slow in compute (its model sleeps in forward): the guard names it the compute
+  straggler;
+* the DataLoader's ``num_workers=1, prefetch_factor=4, persistent_workers=True`` survive (Ray's
+  own ``prepare_data_loader`` gives back ``prefetch_factor`` 2);
+* a stop requested from the driver while the run is live is honoured by both ranks at the same
+  step, a lockstep agreement step;
+* the guard's named actors are listed by Ray's state API while the run is live, and are gone
+  after it; Ray Train's controller callback reported the run's report rounds.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import threading
+import time
+import types
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+NS = "rtg_test_dropin"
+
+# The plain script, as a Ray Train user writes it (the issue's), with a toy model and data and
+# one slow rank: the environment the guard must see through.
+PLAIN = '''\
+import time
+
+import ray
+import ray.train
+import torch
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer, prepare_model, prepare_data_loader
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Batches(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 32, generator=g), torch.randn(n, 1, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 1))
+
+    def forward(self, x):
+        if ray.train.get_context().get_world_rank() == 1:
+            time.sleep(0.02)                  # rank 1 is slow in compute
+        return self.net(x)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+ds = Batches(1024)
+loss_fn = torch.nn.functional.mse_loss
+
+
+def train_func(config):
+    model = prepare_model(make_model())
+    loader = prepare_data_loader(DataLoader(ds, batch_size=8, shuffle=True, num_workers=1,
+                                            prefetch_factor=4, persistent_workers=True))
+    opt = torch.optim.AdamW(model.parameters())
+    for epoch in range(config["epochs"]):
+        if ray.train.get_context().get_world_size() > 1:
+            loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            loss = loss_fn(model(batch["x"]), batch["y"]); loss.backward(); opt.step(); opt.zero_grad()
+        ray.train.report({"loss": loss.item()})
+'''
+
+IMPORT = "from ray.train.torch import TorchTrainer, prepare_model, prepare_data_loader"
+GUARD_IMPORT = ("from raytrain_guard.train import TorchTrainer, get_guard, prepare_data_loader, "
+                "prepare_model, prepare_optimizer")
+OPT = "    opt = torch.optim.AdamW(model.parameters())"
+GUARD_OPT = "    opt = prepare_optimizer(torch.optim.AdamW(model.parameters()))"
+STEP = ("            loss = loss_fn(model(batch[\"x\"]), batch[\"y\"]); loss.backward(); "
+        "opt.step(); opt.zero_grad()")
+REPORT = '        ray.train.report({"loss": loss.item()})'
+STOP_IN_EPOCH = "            if get_guard().should_stop(): break"
+STOP_AFTER_REPORT = "        if get_guard().should_stop(): break"
+
+
+def convert(plain: str) -> str:
+    """The conversion the README shows: the import, the optimizer, and honouring a stop."""
+    lines = plain.splitlines()
+    out = []
+    for line in lines:
+        if line == IMPORT:
+            out.append(GUARD_IMPORT)
+        elif line == OPT:
+            out.append(GUARD_OPT)
+        else:
+            out.append(line)
+        if line == STEP:
+            out.append(STOP_IN_EPOCH)
+        if line == REPORT:
+            out.append(STOP_AFTER_REPORT)
+    return "\n".join(out) + "\n"
+
+
+def load(source: str, name: str) -> types.ModuleType:
+    """The script as a module that is not importable, so Ray pickles its functions by value."""
+    module = types.ModuleType(name)
+    exec(compile(source, f"<{name}>", "exec"), module.__dict__)   # noqa: S102 - our own text
+    return module
+
+
+def test_the_conversion_is_the_imports_the_optimizer_and_the_stop_lines():
+    diff = [line for line in difflib.unified_diff(PLAIN.splitlines(), convert(PLAIN)
+                                                  .splitlines(), lineterm="", n=0)
+            if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert diff == ["-" + IMPORT, "+" + GUARD_IMPORT, "-" + OPT, "+" + GUARD_OPT,
+                    "+" + STOP_IN_EPOCH, "+" + STOP_AFTER_REPORT]
+
+
+@pytest.fixture(scope="module")
+def ray_with_dashboard():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")    # auth is not what this test is about
+    context = ray.init(address="local", namespace=NS, num_cpus=4, include_dashboard=True,
+                       logging_level="warning", log_to_driver=False)
+    try:
+        # the state API's address: other Ray instances may run on this machine
+        yield "http://" + context.dashboard_url
+    finally:
+        ray.shutdown()
+
+
+class Watcher(threading.Thread):
+    """While the run is live: lists the guard's actors through Ray's state API, and once
+    Ray Train's controller has seen a report round, asks the run to stop."""
+
+    def __init__(self, trainer, state_address: str) -> None:
+        super().__init__(daemon=True)
+        self.trainer = trainer
+        self.state_address = state_address
+        self.actor_names: set[str] = set()
+        self.stop_requested_at_step = None
+        self.error = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from ray.util.state import list_actors
+
+        from raytrain_guard.cluster.client import coordinator_name
+        try:
+            deadline = time.monotonic() + 300
+            coordinator = None
+            while time.monotonic() < deadline and not self.done.is_set():
+                time.sleep(0.5)
+                if coordinator is None:
+                    try:
+                        coordinator = ray.get_actor(coordinator_name(self.trainer.run_id),
+                                                    namespace=NS)
+                    except ValueError:
+                        continue
+                if coordinator_name(self.trainer.run_id) not in self.actor_names:
+                    # the state API follows the GCS with a lag: list until it shows both kinds
+                    self.actor_names = {a.name for a in list_actors(
+                        address=self.state_address, filters=[("state", "=", "ALIVE")],
+                        limit=1000) if a.name}
+                    continue
+                events = ray.get(coordinator.train_events.remote(), timeout=10)
+                if any(e["kind"] == "report" for e in events):
+                    status = ray.get(coordinator.status.remote(), timeout=10)
+                    self.stop_requested_at_step = status["latest_step"]
+                    self.trainer.request_stop("the test asks")
+                    return
+        except Exception as exc:  # noqa: BLE001 - surfaced by the test
+            self.error = exc
+
+
+def test_converted_script_runs_guarded(ray_with_dashboard):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.util.state import list_actors
+
+    from raytrain_guard.cluster.actors import MONITOR_PREFIX
+    from raytrain_guard.cluster.client import coordinator_name
+    from raytrain_guard.config import GuardConfig
+
+    script = load(convert(PLAIN), "converted_script")
+    trainer = script.TorchTrainer(
+        script.train_func, train_loop_config={"epochs": 6},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="dropin_test", storage_path=str(_tmp())),
+        guard={"namespace": NS, "decision_interval_s": 1e9})     # no policy decisions: only ours
+    watcher = Watcher(trainer, ray_with_dashboard)
+    watcher.start()
+    try:
+        result = trainer.fit()
+    finally:
+        watcher.done.set()
+        watcher.join(timeout=30)
+    report = result.guard
+    print(report.format())
+    assert watcher.error is None, watcher.error
+    assert result.error is None
+
+    # the actors were listed by name while the run was live, and are gone now
+    assert coordinator_name(trainer.run_id) in watcher.actor_names
+    monitors = {n for n in watcher.actor_names
+                if n.startswith(f"{MONITOR_PREFIX}{trainer.run_id}:")}
+    assert len(monitors) == 1                       # one node, one monitor
+    alive = {a.name for a in list_actors(address=ray_with_dashboard,
+                                         filters=[("state", "=", "ALIVE")], limit=1000)}
+    assert not alive & ({coordinator_name(trainer.run_id)} | monitors)
+
+    # a stop requested from the driver: every rank stopped at the same agreement step
+    ranks = {r["world_rank"]: r for r in report.ranks}
+    assert sorted(ranks) == [0, 1]
+    stopped = {r: s["stopped_at"] for r, s in ranks.items()}
+    k = GuardConfig().lockstep_every_steps
+    assert stopped[0] == stopped[1] and stopped[0] % k == 0, stopped
+    assert stopped[0] > watcher.stop_requested_at_step, (stopped, watcher.stop_requested_at_step)
+    assert ranks[0]["step"] == ranks[1]["step"] == stopped[0]
+    assert report.run.stopped_early and "the test asks" in report.run.stop_reason
+    assert report.run.steps == stopped[0] < 6 * 64
+
+    # the slow rank is attributed, with its reason
+    roles = {a["world_rank"]: a for a in report.attribution}
+    assert roles[1]["role"] == "straggler_compute", roles
+    assert roles[0]["role"] != "straggler_compute", roles
+    assert "rank 1: compute" in roles[1]["reason"]
+
+    # the DataLoader settings survive (Ray's prepare_data_loader gives prefetch_factor 2)
+    for loader in report.loaders:
+        assert (loader["num_workers"], loader["prefetch_factor"], loader["persistent_workers"],
+                loader["batch_size"]) == (1, 4, True, 8), loader
+        assert loader["lowered"] == []
+        assert loader["data_wait_frac"] is not None
+
+    # DDP got the planned bucket cap
+    model = ranks[0]["model"]
+    assert model["wrapped"] == "DistributedDataParallel"
+    assert model["bucket_cap_bytes"] == int(model["bucket_cap_mb"] * 2**20)
+
+    # Ray Train's controller callback: report rounds seen, no worker failure; one attempt
+    assert report.num_reports >= 1 and not report.worker_failures
+    assert report.attempts == 1
+
+
+def _tmp():
+    import tempfile
+    return tempfile.mkdtemp(prefix="rtg-dropin-")
