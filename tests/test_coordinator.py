@@ -80,7 +80,7 @@ def test_newer_attempt_clears_ranks_and_older_is_stale():
     assert c.status()["ignored"]["stale"] == 1
 
 
-def test_names_the_straggler_node_from_step_stats():
+def test_names_the_straggler_rank_from_step_stats():
     c = coordinator()
     for first in (1, 11):
         c.report_steps(0, "n0", 0, batch(0, first))
@@ -92,8 +92,10 @@ def test_names_the_straggler_node_from_step_stats():
     assert (d["action"], d["scope"], d["cause"], d["step"]) == \
         ("flag_straggler", "node:n1", "compute", 40)
     assert d["params"]["world_ranks"] == [3] and d["decision_id"] == 1000 * 10**6 + 1
+    # rank 2 shares n1 and is healthy: the rank is named, not its node (issue 11)
+    assert d["params"]["target"] == "rank" and d["params"]["recommendation"] == "check_gpu"
     st = c.status()
-    assert st["straggler_nodes"] == ["n1"]
+    assert st["straggler_ranks"] == [3] and st["straggler_nodes"] == []
     assert st["ranks"][3]["straggler_score"] == 0.4 and st["ranks"][3]["straggler_cause"] == \
         "compute"
     assert st["ranks"][0]["straggler_score"] == 0.0
@@ -249,3 +251,90 @@ def test_a_restarted_coordinator_with_a_clock_behind_still_makes_newer_decision_
     again.report_steps(0, "n0", 0, batch(0, 11, mem=0.89), None, cursor)
     (d,) = again.decide()
     assert d["decision_id"] == cursor + 1 and again.decisions_since(cursor) == [d]
+
+
+# -- effects: measured after the apply step, escalation when an action missed (issue 11) --------
+
+CARD = 80 * GiB
+
+
+def setup_with_cache(mem, cached_gib, mb=2, ga=1):
+    reserved = int(mem * CARD)
+    return {"micro_batch": mb, "grad_accum": ga, "prefetch_factor": 2, "device": "cuda",
+            "allocated_bytes": reserved - int(cached_gib * GiB), "reserved_bytes": reserved,
+            "device_total_bytes": CARD}
+
+
+def report(c, first, mem, cached_gib=8.0):
+    c.report_steps(0, "n0", 0, batch(0, first, mem=0.5), setup_with_cache(0.5, 1.0))
+    c.report_steps(1, "n0", 0, batch(1, first, mem=mem), setup_with_cache(mem, cached_gib))
+
+
+def test_a_release_that_missed_is_measured_stored_and_not_repeated():
+    c = coordinator()
+    report(c, 1, 0.89)
+    (d,) = c.decide(next_apply_step=20)
+    # 8 GiB cached of 80: predicted 0.89 -> 0.79
+    assert d["action"] == "release_cache" and d["predicted"]["delta_frac"] == -0.1
+    assert d["measured"] is None
+    for first in (11, 21, 31):                      # the reading stays at 0.89 (steady)
+        report(c, first, 0.89)
+    assert c.decide(next_apply_step=60) == []       # measured over steps 21-40: missed
+    (m,) = c.decisions_since(0)
+    assert m["measured"]["missed"] is True
+    assert m["measured"]["memory_frac_before"] == 0.89 and m["measured"]["delta_frac"] == 0.0
+    assert m["measured"]["num_steps_after"] == 40   # 2 ranks x steps 21..40
+    st = c.status()
+    assert st["missed"] == ["release_cache:device_memory"] and st["effects"] == [m]
+    # at critical, the policy escalates past the release: without a plan, today's ladder
+    # (an unpriced shrink, the release having been judged)
+    report(c, 41, 0.91)
+    (shrink,) = c.decide(next_apply_step=70)
+    assert shrink["action"] == "shrink_micro_batch" and shrink["predicted"] is None
+    assert "unpriced" in shrink["reason"]
+
+
+def test_a_release_that_worked_may_be_decided_again():
+    c = coordinator()
+    report(c, 1, 0.89)
+    c.decide(next_apply_step=20)
+    report(c, 11, 0.89)
+    for first in (21, 31):
+        report(c, first, 0.80)                      # fell 0.09 of a predicted 0.10
+    assert c.decide(next_apply_step=60) == []
+    (m,) = c.decisions_since(0)
+    assert m["measured"]["missed"] is False and m["measured"]["delta_frac"] == -0.09
+    report(c, 41, 0.89)                             # climbed back, cache to free again
+    assert [d["action"] for d in c.decide(next_apply_step=70)] == ["release_cache"]
+
+
+def test_escalation_to_a_priced_shrink_after_a_missed_release():
+    from test_effects import plan
+    from raytrain_guard.core.effects import GradSync
+    c = coordinator()
+    assert c.set_plan(plan("fsdp-full", GradSync.EVERY_MICRO_BATCH).to_dict())
+    report(c, 1, 0.89)
+    c.decide(next_apply_step=20)
+    for first in (11, 21, 31):
+        report(c, first, 0.91)
+    (d,) = c.decide(next_apply_step=60)
+    assert d["action"] == "shrink_micro_batch" and d["predicted"]["memory_frac_after"] < 0.85
+    assert c.status()["plan"] is True
+
+
+def test_a_malformed_plan_is_refused_and_the_policy_goes_on_unpriced(caplog):
+    c = coordinator()
+    with caplog.at_level(logging.WARNING):
+        assert c.set_plan({"model": {}}) is False
+    assert "memory actions are unpriced" in caplog.text and c.status()["plan"] is False
+    c.report_steps(0, "n0", 0, batch(0, 1, mem=0.89))
+    (d,) = c.decide()
+    assert d["action"] == "release_cache" and d["predicted"] is None
+
+
+def test_no_release_on_cpu_ranks():
+    c = coordinator()
+    c.report_steps(0, "n0", 0, batch(0, 1, mem=0.89), {"micro_batch": 8, "grad_accum": 1,
+                                                        "device": "cpu"})
+    assert c.decide() == []
+    assert "no cache release: the run is on CPU" in c.status()["notes"][0]

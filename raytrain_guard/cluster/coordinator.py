@@ -11,15 +11,34 @@ Actor methods (stable; the worker client, the monitors and the status CLI call t
 * ``report_steps(world_rank, node_id, attempt, stats, setup=None) -> None``: a batch of one
   rank's step figures (every ``report_every_steps`` steps, fire-and-forget), each a row in
   :data:`STEP_FIELDS` order (what the client sends) or a ``StepStats.to_dict()``.
-  ``setup``: ``{"micro_batch", "grad_accum", "prefetch_factor"}`` as the rank runs now.
+  ``setup``: ``{"micro_batch", "grad_accum", "prefetch_factor"}`` as the rank runs now, and
+  optionally the figures the policy prices with (``core.node_samples.RunSetup``): ``device``
+  ("cuda"/"cpu"), ``device_index``, ``allocated_bytes``, ``reserved_bytes``,
+  ``device_total_bytes``, ``num_workers``, ``batch_bytes``.
   ``decision_cursor``: the newest decision id the rank knows of (new ids are made larger).
 * ``report_node(sample) -> None``: a monitor's ``NodeSample.to_dict()``.
 * ``decide(next_apply_step=None) -> list[dict]``: one policy round now (otherwise rounds run by
   themselves on reports, at most every ``decision_interval_s``); the new decisions.
 * ``decisions_since(decision_id) -> list[dict]``: decisions with a larger id, oldest first.
 * ``status() -> dict``: nodes, ranks, memory, step time p50/p99, straggler scores, active
-  decisions, counters of ignored reports (what ``raytrain-guard status`` prints).
+  decisions, counters of ignored reports (what ``raytrain-guard status`` prints); ``effects``:
+  the decisions measured so far (``predicted`` and ``measured``), ``missed``: the
+  ``action:cause`` keys not repeated, ``straggler_ranks``, ``plan``: whether actions are priced.
+* ``set_plan(plan) -> bool``: the run's ``core.effects.RunPlan.to_dict()`` (model, activation
+  profile, training setup, device memory, gradient-sync mode); without it memory actions are
+  unpriced (today's ladder). Also the ``plan=`` constructor argument.
 * ``ping() -> str``.
+
+Effects (issue 11): a release, shrink, prefetch change or pacing decision is measured once
+every rank has reported ``decision_cooldown_steps`` steps after its apply step: medians of the
+worst rank's memory fraction (the node's host memory for a prefetch change), of the step time
+and of the data wait, over those steps against the ``decision_cooldown_steps`` steps each rank
+had reported when it was decided. The result is stored with the decision (``measured``, with
+``missed``); an action whose memory fell by less than ``effect_min_share`` of its prediction
+goes into the policy's ``missed`` set: it is not repeated for that cause and the policy
+escalates (a shrink if one is predicted to help, else checkpoint-and-stop at critical). The set
+survives a new attempt (the same model misses the same way). ``metrics.record_measured(
+decision, measured)`` is called when the metrics object has it.
 
 Ignored and counted (``status()["ignored"]``): ``stale`` (an earlier attempt of the run, or
 one this coordinator did not issue), ``duplicate`` (a batch already received), ``out_of_order``
@@ -39,6 +58,7 @@ a restart never hides the new coordinator's decisions.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -48,9 +68,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Decision
+from raytrain_guard.core.effects import RunPlan, measure, missed
 from raytrain_guard.core.node_samples import NodeSample, RunSetup
 from raytrain_guard.core.policy import (ClusterView, PolicyState, RankView, decide,
-                                        default_apply_step)
+                                        default_apply_step, missed_key)
 from raytrain_guard.core.stats import nearest_rank
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import StragglerScore
@@ -67,6 +88,22 @@ RECENT_BATCHES_KEPT = 8
 """Per rank, the (first, last) steps of recent batches, to tell a duplicate from a late batch."""
 
 IGNORE_REASONS = ("stale", "duplicate", "out_of_order", "malformed")
+
+MEASURED_ACTIONS = (Action.RELEASE_CACHE, Action.SHRINK_MICRO_BATCH, Action.SET_PREFETCH,
+                    Action.PACE)
+"""Actions whose effect is measured after their apply step (events and stops are not)."""
+
+
+class _Pending:
+    """A decision waiting for its effect: the steps before it, per rank, and the node's host
+    memory fraction when it was decided (host actions)."""
+
+    __slots__ = ("decision", "before", "host_before", "node_id")
+
+    def __init__(self, decision: Decision, before: dict[int, tuple[StepStats, ...]],
+                 host_before: float | None, node_id: str | None) -> None:
+        self.decision, self.before = decision, before
+        self.host_before, self.node_id = host_before, node_id
 
 
 class _Rank:
@@ -94,7 +131,8 @@ class Coordinator:
                  attempt: int = 0, metrics: Any = None,
                  apply_step_rule: Callable[[int, GuardConfig], int] = default_apply_step,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 plan: RunPlan | Mapping[str, Any] | None = None) -> None:
         self.run_id = str(run_id)
         self.config = config or GuardConfig()
         self.attempt = int(attempt)
@@ -117,6 +155,10 @@ class Coordinator:
         self.num_node_samples = 0
         self.num_rounds = 0
         self._warned: set[str] = set()
+        self._pending: dict[int, _Pending] = {}
+        self._plan: RunPlan | None = None
+        if plan is not None:
+            self.set_plan(plan)
 
     # -- reports -----------------------------------------------------------------------------
     def report_steps(self, world_rank: int, node_id: str, attempt: int,
@@ -210,15 +252,17 @@ class Coordinator:
             self._apply_step_rule(latest, self.config)
         self._last_round = self._clock()
         self.num_rounds += 1
+        self._measure_due()
         outcome = decide(view, self._state, self.config, at)
         self._state, self._scores, self._notes = outcome.state, outcome.scores, outcome.notes
         new = []
         for d in outcome.decisions:
             self._next_id += 1
-            d = Decision(d.action, d.reason, d.step, d.cause, d.scope, dict(d.params),
-                         self._next_id)
+            d = dataclasses.replace(d, params=dict(d.params), decision_id=self._next_id)
             self._decisions.append(d)
             new.append(d.to_dict())
+            if d.action in MEASURED_ACTIONS and d.step is not None:
+                self._pending[d.decision_id] = self._pending_of(d, view)
             log = logger.warning if d.action in (Action.CHECKPOINT_AND_STOP,
                                                  Action.FLAG_STRAGGLER) else logger.info
             log("[run %s] decision #%d %s", self.run_id, d.decision_id, d)
@@ -233,9 +277,80 @@ class Coordinator:
                 self._state.flagged_nodes, set(self._nodes), p50, p99))
         return new
 
+    def set_plan(self, plan: RunPlan | Mapping[str, Any] | None) -> bool:
+        """The run's plan (``RunPlan.to_dict()``: model, activation profile, training setup,
+        device memory, gradient-sync mode): the memory model the policy prices its memory
+        actions with. Returns whether it was taken; a malformed plan is logged once and the
+        policy goes on unpriced (today's ladder), as with none."""
+        if plan is None or isinstance(plan, RunPlan):
+            self._plan = plan
+            return True
+        try:
+            self._plan = RunPlan.from_dict(plan)
+            return True
+        except Exception as exc:  # noqa: BLE001 - fail open: no plan, actions unpriced
+            self._warn_once("plan", f"plan not usable ({exc!r}); memory actions are unpriced")
+            return False
+
     def decisions_since(self, decision_id: int) -> list[dict]:
         """Decisions with an id greater than ``decision_id``, oldest first."""
         return [d.to_dict() for d in self._decisions if d.decision_id > decision_id]
+
+    # -- effects -----------------------------------------------------------------------------
+    def _pending_of(self, d: Decision, view: ClusterView) -> _Pending:
+        n = self.config.decision_cooldown_steps
+        before = {r: tuple(e.window)[-n:] for r, e in self._ranks.items()}
+        node_id = d.scope.split(":", 1)[1] if d.scope.startswith("node:") else None
+        host = view.nodes.get(node_id).host if node_id in view.nodes else None
+        return _Pending(d, before, None if host is None else host.memory_used_frac, node_id)
+
+    def _measure_due(self) -> None:
+        """Measure every pending action whose window after its apply step every rank has
+        reported: medians before and after, stored with the decision (``measured``). One that
+        missed (below ``effect_min_share`` of its prediction) goes into the policy's ``missed``
+        set: not repeated for that cause; the policy escalates."""
+        if not self._pending or not self._ranks:
+            return
+        reported = min(e.last_step for e in self._ranks.values())
+        n = self.config.decision_cooldown_steps
+        for decision_id in sorted(self._pending):
+            pending = self._pending[decision_id]
+            d = pending.decision
+            end = d.step + n
+            if reported < end:
+                continue
+            del self._pending[decision_id]
+            after = {r: tuple(s for s in e.window if d.step < s.step <= end)
+                     for r, e in self._ranks.items()}
+            host = (None, None)
+            if pending.node_id is not None and pending.host_before is not None:
+                sample = self._nodes.get(pending.node_id)
+                if sample is not None and sample[0].host is not None:
+                    host = (pending.host_before, sample[0].host.memory_used_frac)
+            result = measure(pending.before, after, host)
+            if result is None:
+                continue
+            miss = missed(d.predicted, result, self.config.effect_min_share)
+            measured = dict(result.to_dict(), missed=miss)
+            self._replace_decision(dataclasses.replace(d, measured=measured))
+            if miss:
+                key = missed_key(d)
+                self._state = dataclasses.replace(self._state,
+                                                  missed=self._state.missed | {key})
+                logger.warning("[run %s] decision #%d %s missed its prediction (memory "
+                               "%+.1f%% measured vs %+.1f%% predicted): not repeated for %s",
+                               self.run_id, d.decision_id, d.action.value,
+                               100 * (result.delta_frac or 0.0),
+                               100 * float(d.predicted["delta_frac"]), key)
+            record = getattr(self._metrics, "record_measured", None)
+            if record is not None:
+                self._safe_metrics(lambda: record(d, measured))
+
+    def _replace_decision(self, d: Decision) -> None:
+        for i, old in enumerate(self._decisions):
+            if old.decision_id == d.decision_id:
+                self._decisions[i] = d
+                return
 
     def _maybe_decide(self) -> None:
         if self._clock() - self._last_round >= self.config.decision_interval_s:
@@ -249,15 +364,16 @@ class Coordinator:
         now = self._clock()
         nodes = {n: s for n, (s, at) in self._nodes.items() if now - at <= max_age}
         ranks = {r: e.view for r, e in self._ranks.items() if e.view is not None}
-        return ClusterView(ranks, nodes)
+        return ClusterView(ranks, nodes, self._plan)
 
     def _new_attempt(self, attempt: int) -> None:
         logger.info("[run %s] attempt %d starts (was %d): rank state cleared", self.run_id,
                     attempt, self.attempt)
         self.attempt = attempt
         self._ranks.clear()
-        self._state = PolicyState()
+        self._state = PolicyState(missed=self._state.missed)   # what missed still misses
         self._scores = {}
+        self._pending.clear()
 
     # -- status ------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -295,6 +411,10 @@ class Coordinator:
                 "step_p50_s": p50, "step_p99_s": p99, "nodes": nodes, "ranks": ranks,
                 "straggler_scores": {r: s.to_dict() for r, s in sorted(self._scores.items())},
                 "straggler_nodes": sorted(self._state.flagged_nodes),
+                "straggler_ranks": sorted(self._state.flagged_ranks),
+                "effects": [d.to_dict() for d in self._decisions
+                            if d.measured is not None][-20:],
+                "missed": sorted(self._state.missed), "plan": self._plan is not None,
                 "active_decisions": active, "notes": list(self._notes),
                 "ignored": dict(self.ignored), "num_reports": self.num_reports,
                 "num_node_samples": self.num_node_samples, "num_rounds": self.num_rounds}

@@ -10,24 +10,40 @@ Device memory is each rank's own reading and the NVML reading of the GPUs that h
 run's workers (:func:`run_gpus`: another job's GPU on a shared node does not count; when the
 pids cannot tell, every GPU counts and a note says so).
 
-Rules, in order (the first device-memory rule that fires wins; host and straggler rules are
-per node and independent):
+Rules, in order (the device-memory rules first; host, straggler and pacing rules are
+independent):
 
 1. Stop: the worst device memory is at or above the watermark and its linear trend, projected
    to ``next_apply_step + lockstep_every_steps``, reaches ``oom_stop_frac``
    -> CHECKPOINT_AND_STOP on all ranks. After it the policy decides nothing more.
-2. Shrink: still at or above ``memory_critical_frac`` after a cache release has been applied
-   -> SHRINK_MICRO_BATCH: halve the micro-batch and double gradient accumulation, so the global
-   batch (micro_batch x grad_accum x world size) and the mathematics stay the same. Only when
-   the micro-batch is even; otherwise a note says why not and rule 3 applies.
-3. Release: at or above ``memory_watermark_frac`` -> RELEASE_CACHE on all ranks at one step.
-4. Pace (only with ``pacing_enabled``): at or above the watermark -> PACE with
-   ``pacing_delay_s``; below it again -> PACE with delay 0.
-5. Host memory: a node at or above ``host_memory_watermark_frac`` -> SET_PREFETCH on that node
-   with half its prefetch factor (at least 1).
-6. Straggler: a node whose worst rank adds ``straggler_frac`` of a step or more
-   -> FLAG_STRAGGLER on that node (an event and the recommendation to drain it), once until it
-   recovers below half the threshold.
+2. At or above ``memory_watermark_frac``, every candidate is priced (``core.effects``) with the
+   planner's memory model on the run's plan (``ClusterView.plan``) and the worst rank's
+   readings: a cache release (only on CUDA, only when the rank's allocator holds at least
+   ``cache_release_min_frac`` of the card cached but unallocated, predicted to free
+   reserved - allocated less what the next step's peak re-reserves) and, at or above
+   ``memory_critical_frac``, a micro-batch shrink (half the micro-batch, twice the
+   accumulation: the global batch is unchanged; under FSDP with last-micro-batch sync it can
+   RAISE the peak). The cheapest one predicted to bring the rank under the re-arm line
+   (watermark - hysteresis) is decided, with its ``predicted`` effect; at critical with none,
+   CHECKPOINT_AND_STOP (the predictions in its reason). An action the coordinator measured
+   below ``effect_min_share`` of its prediction (``PolicyState.missed``) is not a candidate
+   any more: the policy escalates.
+   Fail-open, without allocator figures or a plan: a release once per crossing of the
+   watermark (re-armed below the re-arm line), and a shrink at critical after a judged release
+   (or at once on CPU), unpriced, as before issue 11.
+3. Host memory: a node at or above ``host_memory_watermark_frac`` -> SET_PREFETCH on that node
+   with half its prefetch factor (at least 1), priced when its ranks report ``num_workers`` and
+   ``batch_bytes``.
+4. Straggler (:func:`~raytrain_guard.core.straggler.persistent_slowdowns`): a rank slower in
+   data or compute (or, when none is, communication) than the per-step reference at each of the
+   last ``num_slow_steps`` common steps, by the largest of ``straggler_frac`` of the median
+   step, ``slow_step_floor_s`` and ``slow_step_mad_k`` robust spreads -> FLAG_STRAGGLER naming
+   the rank and its GPU; the node instead when every rank of a node with several ranks is
+   slow. Recommendations: check a GPU's clocks and throttle reasons, a rank's input pipeline,
+   a node's link, or drain a node (never the only node of the run). Once until it recovers.
+5. Pace (only with ``pacing_enabled``): against communication backpressure only, the wait
+   rising on every rank -> PACE with ``pacing_delay_s``; off again once it is gone (after the
+   cooldown). Never as a memory remedy: a sleep before a synchronous step lowers no peak.
 
 An action is not repeated (nor escalated) until ``decision_cooldown_steps`` steps after its
 apply step have been reported, so each decision is judged on statistics that show its effect.
