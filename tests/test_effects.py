@@ -248,3 +248,19 @@ def test_prefetch_decision_carries_its_prediction():
     assert d.action is Action.SET_PREFETCH and d.cause is Cause.HOST_MEMORY
     assert d.predicted["delta_frac"] == pytest.approx(-0.04)
     assert "short of the watermark" in d.reason
+
+
+def test_decision_keeps_predicted_and_measured_through_dicts_and_pickling():
+    import pickle
+
+    from raytrain_guard.core.decisions import Decision
+    e = shrink_effect(plan("fsdp-full", GradSync.EVERY_MICRO_BATCH), 2, 1, 0.91)
+    d = Decision(Action.SHRINK_MICRO_BATCH, "why", 60, Cause.DEVICE_MEMORY, "cluster",
+                 dict(e.params), 7, predicted=e.to_dict(),
+                 measured={"delta_frac": -0.05, "missed": False})
+    assert Decision.from_dict(d.to_dict()) == d
+    assert pickle.loads(pickle.dumps(d)) == d
+    assert d.at(70).predicted == d.predicted and d.at(70).step == 70
+    # a dict from before issue 11 (no predicted / measured) still reads
+    old = {k: v for k, v in d.to_dict().items() if k not in ("predicted", "measured")}
+    assert Decision.from_dict(old).predicted is None

@@ -216,6 +216,9 @@ STRAGGLER_SCOPE_CASES = [
      ("node:n1", "rank", [3], Cause.COMPUTE, "check_gpu")),
     ("data on a rank", {"data": 0.45, "comm": 0.05},
      ("node:n1", "rank", [3], Cause.DATA, "check_input")),
+    # Nobody slow in data or compute; rank 3 alone waits 0.4 s more in communication: its link
+    ("communication on a rank", {"comm": 0.85}, ("node:n1", "rank", [3], Cause.COMMUNICATION,
+                                                 "check_link")),
 ]
 
 

@@ -35,8 +35,9 @@ independent):
    with half its prefetch factor (at least 1), priced when its ranks report ``num_workers`` and
    ``batch_bytes``.
 4. Straggler (:func:`~raytrain_guard.core.straggler.persistent_slowdowns`): a rank slower in
-   data or compute (or, when none is, communication) than the per-step reference at each of the
-   last ``num_slow_steps`` common steps, by the largest of ``straggler_frac`` of the median
+   data or compute (or, when none is, communication) than the per-step reference at each of
+   ``num_slow_steps`` consecutive steps among the last ``report_every_steps`` steps every rank
+   reported, by the largest of ``straggler_frac`` of the median
    step, ``slow_step_floor_s`` and ``slow_step_mad_k`` robust spreads -> FLAG_STRAGGLER naming
    the rank and its GPU; the node instead when every rank of a node with several ranks is
    slow. Recommendations: check a GPU's clocks and throttle reasons, a rank's input pipeline,
@@ -561,7 +562,8 @@ def _stragglers(view, state, config, at, scores, decisions) -> PolicyState:
                                 {r: v.timing for r, v in view.ranks.items()},
                                 num_steps=config.num_slow_steps,
                                 straggler_frac=config.straggler_frac,
-                                floor_s=config.slow_step_floor_s, mad_k=config.slow_step_mad_k)
+                                floor_s=config.slow_step_floor_s, mad_k=config.slow_step_mad_k,
+                                scan_steps=config.report_every_steps)
     recovered_below = config.straggler_frac * STRAGGLER_NOISE_SHARE
     flagged_ranks = {r for r in state.flagged_ranks if r in slow or (
         r in scores and scores[r].excess_frac >= recovered_below)}

@@ -178,9 +178,12 @@ class Slowdown:
 def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
                          summaries: Mapping[int, TimingSummary], *, num_steps: int = 3,
                          straggler_frac: float = 0.10, floor_s: float = 0.002,
-                         mad_k: float = 3.5) -> dict[int, Slowdown]:
-    """The ranks slow in data or compute (or, when none is, communication) at each of the last
-    ``num_steps`` steps that every rank has reported, against the per-step reference.
+                         mad_k: float = 3.5, scan_steps: int | None = None
+                         ) -> dict[int, Slowdown]:
+    """The ranks slow in data or compute (or, when none is, communication) at each of
+    ``num_steps`` consecutive steps, among the last ``scan_steps`` steps (default
+    ``num_steps``; the coordinator scans a report batch) that every rank has reported, against
+    the per-step reference. The latest such run counts.
 
     Step by step, not window medians: a slowdown is named ``num_steps`` steps after it starts
     (once reported), and a step the whole group pays (a loaded shared box, a slow batch for
@@ -194,6 +197,7 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
     ranks = [r for r, w in windows.items() if w and r in summaries]
     if len(ranks) < 2 or num_steps < 1:
         return {}
+    scan = max(num_steps, scan_steps or num_steps)
     last = min(windows[r][-1].step for r in ranks)
     aligned: dict[int, dict[int, StepStats]] = {}
     for r in ranks:
@@ -201,11 +205,11 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
         for s in reversed(windows[r]):
             if s.step <= last:
                 found[s.step] = s
-                if len(found) >= num_steps * 4:   # enough to find common steps
+                if len(found) >= scan:
                     break
         aligned[r] = found
     common = set.intersection(*(set(a) for a in aligned.values()))
-    steps = sorted(common)[-num_steps:]
+    steps = sorted(common)[-scan:]
     if len(steps) < num_steps:
         return {}
     step_s = statistics.median([summaries[r].total_s for r in ranks])
@@ -220,11 +224,26 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
         refs = [statistics.median_low([get(aligned[r][st]) for r in ranks]) for st in steps]
         for r in ranks:
             values = [get(aligned[r][st]) for st in steps]
-            excess = min(v - ref for v, ref in zip(values, refs))
-            if excess >= threshold and (r not in found_slow or
-                                        excess / threshold > found_slow[r].excess_s
-                                        / found_slow[r].threshold_s):
+            run = _latest_run([v - ref for v, ref in zip(values, refs)], threshold, num_steps)
+            if run is None:
+                continue
+            excess = min(v - ref for v, ref in zip(values[run], refs[run]))
+            if r not in found_slow or (excess / threshold > found_slow[r].excess_s
+                                       / found_slow[r].threshold_s):
                 found_slow[r] = Slowdown(r, cause, excess, threshold,
-                                         statistics.median(values), statistics.median(refs),
-                                         step_s, tuple(steps))
+                                         statistics.median(values[run]),
+                                         statistics.median(refs[run]), step_s,
+                                         tuple(steps[run]))
     return found_slow
+
+
+def _latest_run(excess: Sequence[float], threshold: float, num_steps: int) -> slice | None:
+    """The last ``num_steps`` positions of the latest run of at least ``num_steps``
+    consecutive excesses at or over ``threshold``; None when there is no such run."""
+    run = 0
+    best = None
+    for i, e in enumerate(excess):
+        run = run + 1 if e >= threshold else 0
+        if run >= num_steps:
+            best = slice(i + 1 - num_steps, i + 1)
+    return best
