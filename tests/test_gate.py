@@ -406,3 +406,16 @@ def test_quiet_bound_holds_with_the_floor():
     bound_s, _ = gate.quiet_limits(1)
     assert bound_s == pytest.approx(0.0024)
     assert all(gate.observe(s) == [] for s in _ms_steps([bound_s * 1e3] * 5, first=12))
+
+
+def test_cross_rank_attribution_ignores_a_gap_under_the_floor():
+    # issue 11: 4 ms steps, rank 1 computes 0.4 ms more (10 % of a step, the old line): jitter,
+    # not a straggler; 5 ms more (x2.5 of 3.3 ms) is one
+    def w(rank, compute, comm):
+        return [StepStats(step=s, total_s=0.0007 + compute + comm, data_wait_s=0.0002,
+                          forward_s=compute, comm_wait_s=comm, world_rank=rank)
+                for s in range(10)]
+    small = attribute_across_ranks([w(0, 0.0033, 0.0004), w(1, 0.0037, 0.0000)])
+    assert [a.role for a in small] == [RankRole.NORMAL, RankRole.NORMAL]
+    big = attribute_across_ranks([w(0, 0.0033, 0.0050), w(1, 0.0083, 0.0000)])
+    assert [a.role for a in big] == [RankRole.WAITING, RankRole.STRAGGLER_COMPUTE]

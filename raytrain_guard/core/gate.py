@@ -408,7 +408,8 @@ class RankAttribution:
 
 
 def attribute_across_ranks(windows: Sequence[Iterable[StepStats]], *,
-                           straggler_frac: float = GuardConfig.straggler_frac
+                           straggler_frac: float = GuardConfig.straggler_frac,
+                           floor_s: float = GuardConfig.slow_step_floor_s
                            ) -> list[RankAttribution]:
     """Name the stragglers among ranks from each rank's recent StepStats window (pure).
 
@@ -417,7 +418,8 @@ def attribute_across_ranks(windows: Sequence[Iterable[StepStats]], *,
     across ranks) by ``straggler_frac`` of the median step or more is a data (compute)
     straggler. Any other rank whose communication wait exceeds the least one among ranks by
     more than ``straggler_frac`` x the median step is waiting (under DDP the straggler waits
-    least and the others wait for it). One result per window, in order; ``world_rank`` is
+    least and the others wait for it). Either gap must also reach ``floor_s`` (seconds): 10 %
+    of a 4 ms step is 0.4 ms, jitter on a loaded box (issue 11). One result per window, in order; ``world_rank`` is
     taken from the stats (the position when empty).
     """
     if not 0 < straggler_frac:
@@ -428,7 +430,8 @@ def attribute_across_ranks(windows: Sequence[Iterable[StepStats]], *,
     summaries = {rank: summarize(w) for rank, w in zip(ranks, steps) if w}
     scores = score_summaries(summaries, min_steps=1)
     stragglers = [r for r, sc in scores.items()
-                  if sc.cause in (Cause.DATA, Cause.COMPUTE) and sc.excess_frac >= straggler_frac]
+                  if sc.cause in (Cause.DATA, Cause.COMPUTE) and sc.excess_frac >= straggler_frac
+                  and sc.excess_frac * sc.step_s >= floor_s]
     least_wait = min((m.comm_wait_s for m in summaries.values()), default=0.0)
     out = []
     for rank, window in zip(ranks, steps):
@@ -443,14 +446,16 @@ def attribute_across_ranks(windows: Sequence[Iterable[StepStats]], *,
                                        f"reporting, nothing to compare with", *figures))
             continue
         out.append(RankAttribution(rank, *_role(rank, m, scores[rank], straggler_frac,
-                                                least_wait, stragglers), *figures))
+                                                least_wait, stragglers, floor_s), *figures))
     return out
 
 
 def _role(rank: int, m: TimingSummary, score: StragglerScore, frac: float, least_wait: float,
-          stragglers: Sequence[int]) -> tuple[RankRole, str]:
-    thr = frac * score.step_s
-    tail = f"(straggler_frac {frac:g} x median step {score.step_s:.4f} s = {thr:.4f} s)"
+          stragglers: Sequence[int], floor_s: float = 0.0) -> tuple[RankRole, str]:
+    thr = max(frac * score.step_s, floor_s)
+    tail = (f"(straggler_frac {frac:g} x median step {score.step_s:.4f} s = "
+            f"{frac * score.step_s:.4f} s" + (f", floor {floor_s:g} s)" if thr == floor_s
+                                              and floor_s > frac * score.step_s else ")"))
     if rank in stragglers:
         excess = f"{score.excess_frac:+.1%} of a step over the reference rank {tail}"
         if score.cause is Cause.COMPUTE:
