@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import sys
+import time
 from typing import Any, Callable, Sequence
 
 from raytrain_guard.config import GuardConfig
@@ -109,6 +110,10 @@ def add_plan_command(subparsers) -> None:
     out = p.add_argument_group("output and thresholds")
     out.add_argument("--headroom", metavar="FRAC",
                      help="device memory kept free, 0.15 or 15%% (default from the config)")
+    out.add_argument("--fragmentation", metavar="FRAC",
+                     help="caching-allocator reserve as a fraction of the tensor peak (default "
+                          "from the config, fragmentation_frac). torchtitan's published Llama "
+                          "3.1 8B FSDP2 runs imply 0.13-0.14 (docs/benchmarks.md)")
     out.add_argument("--config", metavar="FILE.toml", help="GuardConfig TOML file")
     out.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(run=run_plan)
@@ -374,18 +379,22 @@ def _import_path() -> None:
 
 def _config(args) -> GuardConfig:
     config = GuardConfig.from_toml(args.config) if args.config else GuardConfig()
-    if args.headroom is not None:
-        text = str(args.headroom).strip()
+    for flag, value, field_name, example in (
+            ("--headroom", args.headroom, "headroom_frac", "0.15 or 15%"),
+            ("--fragmentation", getattr(args, "fragmentation", None), "fragmentation_frac",
+             "0.14 or 14%")):
+        if value is None:
+            continue
+        text = str(value).strip()
         try:
             frac = float(text[:-1]) / 100 if text.endswith("%") else float(text)
         except ValueError:
-            raise PlanInputError("--headroom", "not a fraction", value=args.headroom,
-                                 fix="write 0.15 or 15%") from None
+            raise PlanInputError(flag, "not a fraction", value=value,
+                                 fix=f"write {example}") from None
         try:
-            config = config.replace(headroom_frac=frac)
+            config = config.replace(**{field_name: frac})
         except InputError as err:    # the flag, not the config field it sets
-            raise PlanInputError("--headroom", err.problem, value=args.headroom,
-                                 fix=err.fix) from None
+            raise PlanInputError(flag, err.problem, value=value, fix=err.fix) from None
     return config
 
 
@@ -497,32 +506,130 @@ def run_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# -- demo ----------------------------------------------------------------------------------------
+# -- experiment and demo --------------------------------------------------------------------------
+
+_FACTORY_FLAGS = (("--model", "model_factory"), ("--dataset", "dataset_factory"),
+                  ("--optimizer", "optimizer_factory"), ("--loss", "loss_fn"))
+
+
+def add_experiment_command(subparsers) -> None:
+    """``raytrain-guard experiment``: the same training with the guard observing and acting."""
+    p = subparsers.add_parser(
+        "experiment", help="train twice under the same injected faults, guard observing and "
+                           "guard acting, and compare them side by side",
+        description="Run the same training once per arm on a local Ray cluster (or the one "
+                    "ray.init() finds): same seed, data order and fault schedule. 'observe' "
+                    "measures and decides but applies nothing; 'act' is the guard as shipped. "
+                    "Writes report.md and timeline.png to --out. Exit 0 when every arm ran "
+                    "(whatever it did), 2 bad input, 1 when the experiment could not run.")
+    p.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                   help="KIND:key=value,... e.g. slow_compute:rank=1,start=25,factor=2.5; kinds: "
+                        "comm_delay, slow_compute, slow_data, memory_growth, activation_spike, "
+                        "host_memory, crash, hang (repeat the flag for several)")
+    p.add_argument("--arms", default="observe,act", help="arms to run, in order")
+    p.add_argument("--workers", type=int, default=2, help="training workers")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, default=None, help="epochs (default 1)")
+    length.add_argument("--steps", type=int, default=None, help="steps (instead of epochs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="each rank's card: simulated on CPU, a cap on CUDA (default for the "
+                        "built-in model: 4MiB)")
+    p.add_argument("--strategy", default="ddp", choices=("ddp", "zero1", "fsdp-grad-op",
+                                                         "fsdp-full"))
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    for flag, name in _FACTORY_FLAGS:
+        p.add_argument(flag, default=None, metavar="M:F",
+                       help=f"your {name} as module:attr (all four together, or none for the "
+                            "built-in sequence model)")
+    p.add_argument("--num-samples", type=int, default=None,
+                   help="your dataset's size, for the exactly-once audit of sample ids")
+    p.add_argument("--max-failures", type=int, default=2,
+                   help="Ray's FailureConfig(max_failures) for each arm")
+    p.add_argument("--collective-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="the process group's timeout (Ray's default is 1800 s)")
+    p.add_argument("--out", default=None, help="report folder (default: a new one here)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(run=run_experiment)
+
+
+def experiment_setup(args: argparse.Namespace) -> Any:
+    """The :class:`ExperimentSetup` of the command line; InputError for bad input."""
+    from raytrain_guard.core.faults import parse_fault
+    from raytrain_guard.experiment.runner import BUILT_IN, ExperimentSetup
+
+    workers = _positive_int(args.workers, "--workers")
+    faults = tuple(parse_fault(spec, world_size=workers) for spec in args.fault)
+    given = {name: getattr(args, flag[2:]) for flag, name in _FACTORY_FLAGS
+             if getattr(args, flag[2:]) is not None}
+    if given and len(given) != len(_FACTORY_FLAGS):
+        missing = [flag for flag, name in _FACTORY_FLAGS if name not in given]
+        raise InputError(missing[0], "your own job needs all four factories",
+                         fix="pass " + " ".join(f"{f} M:F" for f in missing)
+                             + ", or none for the built-in model")
+    for name in ("micro_batch", "grad_accum"):
+        _positive_int(getattr(args, name), "--" + name.replace("_", "-"))
+    if args.max_failures < 0:
+        raise InputError("--max-failures", "must be >= 0", value=args.max_failures,
+                         fix="e.g. --max-failures 2")
+    if not args.collective_timeout > 0:
+        raise InputError("--collective-timeout", "must be > 0", value=args.collective_timeout,
+                         fix="e.g. --collective-timeout 120")
+    return ExperimentSetup(
+        faults=faults, arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
+        num_workers=workers,
+        epochs=_positive_int(args.epochs, "--epochs") if args.epochs is not None else 1,
+        max_steps=_positive_int(args.steps, "--steps") if args.steps is not None else None,
+        seed=args.seed, strategy=args.strategy,
+        device_memory_bytes=_size(args.device_memory, "--device-memory")
+        if args.device_memory else None,
+        micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+        factories=given or dict(BUILT_IN), num_samples=args.num_samples,
+        max_failures=args.max_failures, collective_timeout_s=args.collective_timeout)
+
+
+def run_experiment(args: argparse.Namespace) -> int:
+    from raytrain_guard.experiment.report import format_text
+    from raytrain_guard.experiment.runner import run_experiment as experiment
+
+    setup = experiment_setup(args)
+    setup.check()
+    out = args.out or time.strftime("raytrain-guard-experiment-%Y%m%d-%H%M%S")
+    progress = None if args.json else (lambda line: print(line, flush=True))
+    try:
+        result = experiment(setup, out, progress=progress)
+    except InputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the experiment itself could not run: exit 1
+        print(f"raytrain-guard experiment: could not run: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        print(format_text(result))
+        print(f"report: {result['report']}")
+    return EXIT_OK
+
 
 def add_demo_command(subparsers) -> None:
-    """``raytrain-guard demo``: a guarded training on an embedded local Ray cluster."""
+    """``raytrain-guard demo``: a short default experiment on an embedded local Ray cluster."""
     p = subparsers.add_parser(
-        "demo", help="run a guarded toy training on a local Ray cluster (a minute or two)",
-        description="Start a local Ray cluster, plan and run a guarded 2-worker gloo training "
-                    "of a toy model with a live progress line, then print the summary. By "
-                    "default a hot GPU (scripted probe) and a straggler rank are rehearsed.")
-    p.add_argument("--workers", type=int, default=2, help="number of training workers")
-    p.add_argument("--epochs", type=int, default=12, help="epochs of 256 samples")
-    p.add_argument("--no-rehearsal", action="store_true",
-                   help="no scripted GPU pressure and no injected straggler")
+        "demo", help="a short experiment: the guard observing vs acting under a few faults "
+                     "(about 2 minutes)",
+        description="Start a local Ray cluster and run the same 2-worker training of the "
+                    "built-in sequence model twice under the same faults (a slowed rank, then "
+                    "a stretch of long sequences that overflows its card): once with the guard "
+                    "observing only, once acting. Prints the side-by-side table and the "
+                    "report's path.")
+    p.add_argument("--out", default=None, help="report folder (default: a new one here)")
     p.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from raytrain_guard.cluster.demo import run_demo as demo
-    from raytrain_guard.cluster.launcher import PlanDoesNotFit
-    _positive_int(args.workers, "--workers")
-    _positive_int(args.epochs, "--epochs")
-    try:
-        demo(num_workers=args.workers, epochs=args.epochs, rehearse=not args.no_rehearsal)
-    except PlanDoesNotFit as exc:
-        print(f"raytrain-guard demo: {exc}", file=sys.stderr)
-        return EXIT_DOES_NOT_FIT
+    demo(out_dir=args.out)
     return EXIT_OK
 
 
@@ -604,6 +711,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     add_plan_command,
     add_status_command,
     add_demo_command,
+    add_experiment_command,
     add_grafana_dashboard_command,
 )
 

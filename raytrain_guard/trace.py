@@ -597,7 +597,7 @@ def _result(runs, stats, loss_desc, mode, precision, optimizer, errors, elapsed)
         warnings.append("activations did not grow with the micro-batch: check that the sample "
                         "factory's batch dimension is dim 0")
     profile = ActivationProfile(bytes_per_sample=max(per_sample, 0.0), fixed_bytes=fixed,
-                                source="traced", notes=tuple(notes))
+                                source="traced", notes=tuple(notes), includes_gradients=True)
     for w in warnings:
         log.warning("trace: %s", w)
     return TraceResult(model_stats=stats, activations=profile, micro_batch=b,

@@ -91,6 +91,8 @@ def test_full_recompute_keeps_layer_inputs_plus_one_layer():
     # 2 layers * sbh * 2 = 8192; final norm + head input 2 * 4096 = 8192; then the larger of
     # the loss (12 * 32 * 100 = 38400) and one rebuilt math layer (32*2048 + 2*4096 = 73728)
     assert prof.bytes_per_sample == 8192 + 8192 + 73728
+    # at that moment the output head's bf16 gradient exists: v h * 2 = 100 * 64 * 2
+    assert prof.fixed_bytes == 12800 and prof.includes_gradients
 
 
 # parameter counts of published shapes
@@ -171,6 +173,7 @@ def test_per_op_recompute_of_llama3_8b():
     # loss 12 * 8192 * 128256 = 12608077824; a rebuilt block (213120 - 36992 reused per token
     # = 1442840576) is smaller, so the peak is the loss's moment
     assert prof.bytes_per_sample == 16676552704 + 268435456 + 12608077824
+    assert prof.fixed_bytes == 0                   # no gradient exists at the loss's moment
     assert any("per-op SAC" in n for n in prof.notes)
 
 
@@ -182,3 +185,4 @@ def test_per_op_peak_is_a_rebuilt_block_when_the_vocabulary_is_small():
     # SDPA 4096 + 512 = 27136; final 6 * 2048 + 4096 = 16384; loss 12 * 32 * 8 = 3072;
     # a rebuilt block: 74240 (see above, k = h here: same) - reused SDPA 4608 - gate 6144
     assert prof.bytes_per_sample == 2 * 27136 + 16384 + (74240 - 4608 - 6144)
+    assert prof.fixed_bytes == 8 * 64 * 2          # the head's gradient, v h in bf16

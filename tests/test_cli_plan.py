@@ -237,6 +237,13 @@ def test_list_backed_dataset_warns():
      "or --no-pin-memory"),
     (("--params", "1B", "--gpu-mem", "80GiB", "--headroom", "95%"),
      "--headroom: must be <= 0.9 (got '95%'); choose headroom_frac in [0.0, 0.9]"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--fragmentation", "2"),
+     "--fragmentation: must be <= 1.0 (got '2'); choose fragmentation_frac in [0.0, 1.0]"),
+    (("--params", "1B", "--gpu-mem", "80GiB", "--fragmentation", "x"),
+     "--fragmentation: not a fraction (got 'x'); write 0.14 or 14%"),
+    (("--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "8", "--vocab", "10",
+      "--gpu-mem", "1GiB", "--norm", "batchnorm"),
+     "--norm: unknown value (got 'batchnorm'); choose one of: layernorm, rmsnorm"),
 ])
 def test_bad_input_is_one_line(args, names):
     line = one_line_error(run_plan(*args))
@@ -264,8 +271,9 @@ def test_size_without_a_unit_stays_bytes_when_large():
 RECOMPUTE_BYTES = [
     ("none", 2 * 8396800 + 1048576 + 6144000),
     ("selective", 2 * 8396800 + 1048576 + 6144000),   # flash: nothing seq x seq to drop
-    # each block keeps its input 524288; then max(loss, one rebuilt block 8396800)
-    ("full", 2 * 524288 + 1048576 + 8396800),
+    # each block keeps its input 524288; then max(loss, one rebuilt block 8396800); at the
+    # rebuilt block's moment the head's fp32 gradient 1000 * 256 * 4 exists
+    ("full", 2 * 524288 + 1048576 + 8396800 + 1000 * 256 * 4),
     # per-op: input 524288 + matmuls Q, V, fc1 4*512*(256+256+1024) = 3145728 + SDPA 532480
     # = 4202496 a block; a rebuilt block 8396800 - SDPA 532480 - fc1 output 2097152 =
     # 5767168 is below the loss 6144000
@@ -411,3 +419,12 @@ def test_plan_from_sizes_does_not_import_torch_or_ray():
                          timeout=120)
     assert out.returncode in (0, 1), out.stderr
     assert "HEAVY []" in out.stderr, out.stderr
+
+
+def test_fragmentation_flag_sets_the_allocator_reserve():
+    # --params 1B, fp32 AdamW on one rank: optimizer-phase peak 4 + 4 + 8 + 4 (foreach temp)
+    # = 20 bytes a parameter = 20e9; reserve = CUDA context 1 GiB + 0.14 * 20e9 = 3873741824
+    d = json.loads(run_plan("--params", "1B", "--gpu-mem", "80GiB", "--fragmentation", "14%",
+                            "--json").stdout)
+    assert d["peak_bytes"] == 20_000_000_000
+    assert d["breakdown"]["reserve"] == 1024**3 + 2_800_000_000

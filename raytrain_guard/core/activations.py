@@ -45,8 +45,10 @@ Recompute:
 * ``full``: each block keeps its input ``r th``; one block at a time is rebuilt in its backward.
 
 Under recompute the peak is the larger of the loss's moment (every block's saved tensors plus
-the loss tensors) and the first block's recompute (saved tensors plus one rebuilt block); without
-recompute everything is alive at the loss.
+the loss tensors) and the first block's recompute (saved tensors plus one rebuilt block, and the
+output head's gradient, a fixed ``v h`` elements); without recompute everything is alive at the
+loss. No gradient exists at the loss's moment, so the profile holds the gradients alive at its
+peak (``includes_gradients``) and the memory model adds none.
 
 Under ``amp-bf16`` autocast keeps a bf16 copy of every matmul weight alive until its backward:
 ``2 x (matmul parameters)`` bytes, independent of the batch (``fixed_bytes``).
@@ -60,7 +62,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from raytrain_guard.core.memory_model import Precision, coerce_enum
+from raytrain_guard.core.memory_model import PARAM_BYTES, Precision, coerce_enum
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.errors import PlanInputError
 
@@ -278,6 +280,7 @@ def transformer_activations(shape: TransformerShape, *, precision: Precision | s
     attention = coerce_enum(AttentionKernel, attention, "attention")
     s, h, v = shape.seq_len, shape.hidden, shape.vocab
     kept = shape.layers * layer_activation_bytes(shape, 1, precision, attention, recompute)
+    fixed = 0
     final, loss = _outside_layers(shape, precision)
     notes = [f"analytic transformer (eager): {shape.layers} layers, hidden {h}, seq {s}, "
              f"{shape.norm.value}, {attention.value} attention, recompute {recompute.value}; "
@@ -292,18 +295,21 @@ def transformer_activations(shape: TransformerShape, *, precision: Precision | s
             rebuilt -= reused
             notes.append(PER_OP_POLICY)
         per_sample = kept + final + max(loss, rebuilt)
+        if rebuilt > loss:   # the rebuilt block's moment: the output head's gradient exists
+            fixed += PARAM_BYTES[precision] * v * h
+            notes.append("peak while the last block is rebuilt in backward: the output "
+                         "head's gradient is alive")
     else:
         per_sample = kept + final + loss
     if shape.num_kv_heads not in (None, shape.heads):
         notes.append("grouped-query K/V " + ("expanded to every head (repeat_kv)"
                                              if shape.expand_kv else
                                              "kept at their own width (enable_gqa)"))
-    fixed = 0
     if precision is Precision.AMP_BF16:
-        fixed = 2 * (shape.layers * shape.block_matmul_params() + v * h)
+        fixed += 2 * (shape.layers * shape.block_matmul_params() + v * h)
         notes.append("amp-bf16: bf16 copies of the matmul weights kept by autocast")
     return ActivationProfile(bytes_per_sample=float(per_sample), fixed_bytes=fixed,
-                             source="analytic", notes=tuple(notes))
+                             source="analytic", notes=tuple(notes), includes_gradients=True)
 
 
 def analytic_transformer(*, layers: int, hidden: int, heads: int, seq_len: int, vocab: int,

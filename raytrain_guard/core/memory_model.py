@@ -339,8 +339,8 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         grads_bw = trainable * p_b if fsdp else grads
         notes.append(f"grad_accum={setup.grad_accum}: gradients of earlier micro-steps live "
                      f"through every backward")
-    elif activations.source == "traced":
-        grads_bw = 0  # the traced profile already holds the gradients alive at its peak
+    elif activations.source == "traced" or activations.includes_gradients:
+        grads_bw = 0  # the profile already holds the gradients alive at its peak
     else:  # the first unit's unsharded gradients, conservatively
         grads_bw = (rs_unit if fsdp else min(unit, trainable)) * p_b
     temp = optimizer_temp_bytes(model, setup)

@@ -68,12 +68,15 @@ class ActivationProfile:
     ``bytes_per_sample`` and ``fixed_bytes`` are for the precision the profile was made in
     (traced profiles: the dtype the model actually ran; analytic: from the precision given).
     The optimizer's temporaries are not part of a profile: the memory model computes them.
+    ``includes_gradients``: the profile already holds the gradients alive at its peak (a trace
+    sees them; the analytic transformer knows which exist), so the memory model adds none.
     """
 
     bytes_per_sample: float
     fixed_bytes: int = 0
     source: str = "analytic"            # "analytic" | "traced" | "given"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    includes_gradients: bool = False
 
     def at(self, micro_batch: int) -> int:
         """Activation bytes at the peak for ``micro_batch`` samples."""
