@@ -208,9 +208,9 @@ STRAGGLER_SCOPE_CASES = [
     # Ranks 2 and 3 (all of n1) slow: the node; drain it (another node carries on).
     ("every rank of a node", {"slow": (2, 3)},
      ("node:n1", "node", [2, 3], Cause.COMPUTE, "drain_node")),
-    # One rank per node: a slow rank's node cannot be told from its GPU: the rank.
+    # One rank per node: every rank of n1 is slow: the node (with its GPU when known).
     ("one-rank nodes", {"nodes": ("n0", "n1"), "slow": (1,)},
-     ("node:n1", "rank", [1], Cause.COMPUTE, "check_gpu")),
+     ("node:n1", "node", [1], Cause.COMPUTE, "drain_node")),
     # A one-node cluster: never drain the only node.
     ("one node", {"nodes": ("n1", "n1", "n1", "n1")},
      ("node:n1", "rank", [3], Cause.COMPUTE, "check_gpu")),

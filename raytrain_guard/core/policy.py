@@ -39,8 +39,8 @@ independent):
    ``num_slow_steps`` consecutive steps among the last ``report_every_steps`` steps every rank
    reported, by the largest of ``straggler_frac`` of the median
    step, ``slow_step_floor_s`` and ``slow_step_mad_k`` robust spreads -> FLAG_STRAGGLER naming
-   the rank and its GPU; the node instead when every rank of a node with several ranks is
-   slow. Recommendations: check a GPU's clocks and throttle reasons, a rank's input pipeline,
+   the rank and its GPU; the node instead when every rank of a node is slow (a one-rank node:
+   the node, with its GPU). Recommendations: check a GPU's clocks and throttle reasons, a rank's input pipeline,
    a node's link, or drain a node (never the only node of the run). Once until it recovers.
 5. Pace (only with ``pacing_enabled``): against communication backpressure only, the wait
    rising on every rank -> PACE with ``pacing_delay_s``; off again once it is gone (after the
@@ -555,9 +555,9 @@ _RECOMMEND = {
 
 
 def _stragglers(view, state, config, at, scores, decisions) -> PolicyState:
-    """Rank scope when ranks of one node differ; node scope when every rank of a node with
-    several ranks is slow (a one-rank node cannot tell its GPU from the node). Draining is
-    recommended only for a node, and never for the only node of the cluster."""
+    """Rank scope when ranks of one node differ; node scope when every rank of a node is slow
+    (a one-rank node included: its GPU is named too). Draining is recommended only for a node,
+    and never for the only node of the cluster."""
     slow = persistent_slowdowns({r: v.window for r, v in view.ranks.items()},
                                 {r: v.timing for r, v in view.ranks.items()},
                                 num_steps=config.num_slow_steps,
@@ -578,7 +578,7 @@ def _stragglers(view, state, config, at, scores, decisions) -> PolicyState:
         slow_here = [r for r in ranks if r in slow]
         if not slow_here:
             continue
-        whole_node = len(ranks) >= 2 and len(slow_here) == len(ranks)
+        whole_node = len(slow_here) == len(ranks)
         if whole_node:
             if node_id in flagged_nodes:
                 continue
@@ -602,7 +602,8 @@ def _flag(view, config, at, node_id, ranks, worst, target, num_nodes) -> Decisio
     node = view.nodes.get(node_id)
     short = short_node_id(node_id)
     cause, why = worst.cause, worst.cause.value
-    gpu_index = rank_gpu(view, worst.world_rank) if target == "rank" else None
+    gpu_index = rank_gpu(view, worst.world_rank) if target == "rank" or len(ranks) == 1 \
+        else None
     gpus = [g for g in (node.gpus if node is not None else ())
             if target == "node" or gpu_index is None or g.index == gpu_index]
     throttled = sorted({reason for g in gpus for reason in g.throttle_reasons})
@@ -619,7 +620,10 @@ def _flag(view, config, at, node_id, ranks, worst, target, num_nodes) -> Decisio
                f"steps {worst.steps[0]}-{worst.steps[-1]}, at least "
                f"+{worst.excess_s * 1e3:.1f} ms a step each (threshold "
                f"{worst.threshold_s * 1e3:.1f} ms, median step {worst.step_s * 1e3:.1f} ms)")
-    if target == "node":
+    if target == "node" and len(ranks) == 1:
+        on = f", GPU {gpu_index}" if gpu_index is not None else ""
+        who = f"node {short} is a straggler ({why}): its only rank {worst.world_rank}{on} is slow"
+    elif target == "node":
         who = f"node {short} is a straggler ({why}): all its ranks {ranks} are slow, worst " \
               f"rank {worst.world_rank}"
     else:
