@@ -264,3 +264,15 @@ def test_decision_keeps_predicted_and_measured_through_dicts_and_pickling():
     # a dict from before issue 11 (no predicted / measured) still reads
     old = {k: v for k, v in d.to_dict().items() if k not in ("predicted", "measured")}
     assert Decision.from_dict(old).predicted is None
+
+
+def test_at_critical_the_effect_of_a_recent_action_is_awaited_before_escalating():
+    # a release applied at step 30; latest step 40 < 30 + 20: its effect is not reported yet
+    recent = PolicyState(last_release_step=30)
+    out = _decide(_view(0.91, run_plan=plan("fsdp-full")), recent)
+    assert out.decisions == ()
+    assert "waiting for the effect of the cache release before escalating" in out.notes[-1]
+    # once it is (released at 20: 40 >= 40), nothing predicted to help: checkpoint and stop
+    (d,) = _decide(_view(0.91, run_plan=plan("fsdp-full")),
+                   PolicyState(last_release_step=20)).decisions
+    assert d.action is Action.CHECKPOINT_AND_STOP

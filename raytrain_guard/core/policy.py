@@ -309,6 +309,13 @@ def _device_memory(view, state, config, at, latest, decisions, notes) -> PolicyS
     if unpriced:    # fail open: no plan or no allocator figures, today's ladder, once a crossing
         action = unpriced[-1]      # the shrink when it is allowed (a release was judged)
         return _act_unpriced(view, state, decisions, at, action, p, config, setup)
+    waiting = [a for a, last in (("cache release", state.last_release_step),
+                                 ("micro-batch shrink", state.last_shrink_step))
+               if not _cooled(last, latest, config)]
+    if critical and waiting:        # an action's effect is not reported yet: judge it first
+        notes.append(f"{p.where} at {pct} of device memory: waiting for the effect of the "
+                     f"{' and '.join(waiting)} before escalating")
+        return state
     if critical:
         tried = "; ".join(f"{e.action.value} predicted {e.memory_frac_after:.1%}"
                           for e in priced) or "no action left to try"
