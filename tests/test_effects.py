@@ -276,3 +276,13 @@ def test_at_critical_the_effect_of_a_recent_action_is_awaited_before_escalating(
     (d,) = _decide(_view(0.91, run_plan=plan("fsdp-full")),
                    PolicyState(last_release_step=20)).decisions
     assert d.action is Action.CHECKPOINT_AND_STOP
+
+
+def test_no_repeated_priced_release_on_a_steady_reading_until_its_effect_is_measured():
+    first = _decide(_view(0.89, cached_gib=8.0))
+    assert [d.action for d in first.decisions] == [Action.RELEASE_CACHE]
+    cooled = dataclasses.replace(first.state, last_release_step=20)
+    assert _decide(_view(0.89, cached_gib=8.0), cooled).decisions == ()   # same reading: no
+    hit = dataclasses.replace(cooled, release_armed=True)                 # measured a hit
+    assert [d.action for d in _decide(_view(0.89, cached_gib=8.0), hit).decisions] == \
+        [Action.RELEASE_CACHE]

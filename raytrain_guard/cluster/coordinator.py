@@ -333,6 +333,8 @@ class Coordinator:
             miss = missed(d.predicted, result, self.config.effect_min_share)
             measured = dict(result.to_dict(), missed=miss)
             self._replace_decision(dataclasses.replace(d, measured=measured))
+            if d.action is Action.RELEASE_CACHE and not miss:
+                self._state = dataclasses.replace(self._state, release_armed=True)
             if miss:
                 key = missed_key(d)
                 self._state = dataclasses.replace(self._state,

@@ -28,9 +28,11 @@ independent):
    CHECKPOINT_AND_STOP (the predictions in its reason). An action the coordinator measured
    below ``effect_min_share`` of its prediction (``PolicyState.missed``) is not a candidate
    any more: the policy escalates.
-   Fail-open, without allocator figures or a plan: a release once per crossing of the
-   watermark (re-armed below the re-arm line), and a shrink at critical after a judged release
-   (or at once on CPU), unpriced, as before issue 11.
+   A release is not decided again on a steady reading: only after the coordinator measured the
+   last one a hit (``release_armed``), or once memory fell under the re-arm line. Fail-open,
+   without allocator figures or a plan: a release once per crossing of the watermark, and a
+   shrink at critical after a judged release (or at once on CPU), unpriced, as before issue 11.
+   At critical, an action still in its cooldown is awaited before escalating.
 3. Host memory: a node at or above ``host_memory_watermark_frac`` -> SET_PREFETCH on that node
    with half its prefetch factor (at least 1), priced when its ranks report ``num_workers`` and
    ``batch_bytes``.
@@ -125,7 +127,8 @@ class PolicyState:
     stop_step: int | None = None
     missed: frozenset[str] = frozenset()    # "action:cause" measured below its prediction:
                                             # not repeated for that cause (the policy escalates)
-    release_armed: bool = True              # an unpriced release re-arms below the re-arm line
+    release_armed: bool = True              # a release re-arms below the re-arm line, or when
+                                            # the coordinator measured the last one a hit
     last_pace_step: int | None = None
 
 
@@ -340,6 +343,8 @@ def _release_candidate(view, state, config, latest, p, setup, notes) -> Effect |
     total = setup.device_total_bytes or (view.plan.device_memory_bytes if view.plan else None)
     if cached is None or not total:
         return state.release_armed
+    if not state.release_armed:     # released: again once its measured effect is known
+        return False                # (the coordinator re-arms it) or memory dipped under the line
     if cached < config.cache_release_min_frac * total:
         notes.append(f"no cache release: {p.where} holds {cached / 2**20:.0f} MiB cached but "
                      f"unallocated, under {config.cache_release_min_frac:.0%} of the card")
