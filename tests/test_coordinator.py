@@ -310,6 +310,7 @@ def test_a_release_that_worked_may_be_decided_again():
 
 def test_escalation_to_a_priced_shrink_after_a_missed_release():
     from test_effects import plan
+
     from raytrain_guard.core.effects import GradSync
     c = coordinator()
     assert c.set_plan(plan("fsdp-full", GradSync.EVERY_MICRO_BATCH).to_dict())

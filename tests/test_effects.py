@@ -25,8 +25,16 @@ import pytest
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause
-from raytrain_guard.core.effects import (GradSync, Measured, RunPlan, missed, prefetch_effect,
-                                         release_effect, reserved_peak_bytes, shrink_effect)
+from raytrain_guard.core.effects import (
+    GradSync,
+    Measured,
+    RunPlan,
+    missed,
+    prefetch_effect,
+    release_effect,
+    reserved_peak_bytes,
+    shrink_effect,
+)
 from raytrain_guard.core.memory_model import TrainingSetup, estimate
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.core.node_samples import HostSample, NodeSample, RunSetup

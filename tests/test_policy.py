@@ -12,10 +12,21 @@ import pytest
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause
-from raytrain_guard.core.node_samples import (GpuSample, HostSample, NodeSample, RunSetup,
-                                              WorkerMemory)
-from raytrain_guard.core.policy import (ClusterView, PolicyState, RankView, decide,
-                                        default_apply_step, run_gpus)
+from raytrain_guard.core.node_samples import (
+    GpuSample,
+    HostSample,
+    NodeSample,
+    RunSetup,
+    WorkerMemory,
+)
+from raytrain_guard.core.policy import (
+    ClusterView,
+    PolicyState,
+    RankView,
+    decide,
+    default_apply_step,
+    run_gpus,
+)
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import score_ranks
 from raytrain_guard.units import GiB

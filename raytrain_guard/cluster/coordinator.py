@@ -70,8 +70,14 @@ from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Decision
 from raytrain_guard.core.effects import RunPlan, measure, missed
 from raytrain_guard.core.node_samples import NodeSample, RunSetup
-from raytrain_guard.core.policy import (ClusterView, PolicyState, RankView, decide,
-                                        default_apply_step, missed_key)
+from raytrain_guard.core.policy import (
+    ClusterView,
+    PolicyState,
+    RankView,
+    decide,
+    default_apply_step,
+    missed_key,
+)
 from raytrain_guard.core.stats import nearest_rank
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import StragglerScore
@@ -98,7 +104,7 @@ class _Pending:
     """A decision waiting for its effect: the steps before it, per rank, and the node's host
     memory fraction when it was decided (host actions)."""
 
-    __slots__ = ("decision", "before", "host_before", "node_id")
+    __slots__ = ("before", "decision", "host_before", "node_id")
 
     def __init__(self, decision: Decision, before: dict[int, tuple[StepStats, ...]],
                  host_before: float | None, node_id: str | None) -> None:
@@ -107,7 +113,7 @@ class _Pending:
 
 
 class _Rank:
-    __slots__ = ("node_id", "window", "setup", "last_step", "batches", "num_steps", "view")
+    __slots__ = ("batches", "last_step", "node_id", "num_steps", "setup", "view", "window")
 
     def __init__(self, node_id: str, window_len: int) -> None:
         self.node_id = node_id
@@ -346,7 +352,7 @@ class Coordinator:
                                100 * float(d.predicted["delta_frac"]), key)
             record = getattr(self._metrics, "record_measured", None)
             if record is not None:
-                self._safe_metrics(lambda: record(d, measured))
+                self._safe_metrics(lambda r=record, d=d, m=measured: r(d, m))
 
     def _replace_decision(self, d: Decision) -> None:
         for i, old in enumerate(self._decisions):

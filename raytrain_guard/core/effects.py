@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action
-from raytrain_guard.core.memory_model import (PARAM_BYTES, Strategy, TrainingSetup, estimate)
+from raytrain_guard.core.memory_model import PARAM_BYTES, Strategy, TrainingSetup, estimate
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.core.steps import StepStats
 
@@ -84,7 +84,7 @@ class RunPlan:
                 "grad_sync": GradSync(self.grad_sync).value}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RunPlan":
+    def from_dict(cls, d: Mapping[str, Any]) -> RunPlan:
         """Rebuild; raises ValueError/KeyError/TypeError (or PlanInputError) when malformed."""
         m = dict(d["model"])
         m["param_numels"] = tuple(m.get("param_numels", ()))
@@ -150,7 +150,7 @@ def reserved_peak_bytes(plan: RunPlan, micro_batch: int, grad_accum: int,
         phases = dict(est.phases)
         phases["backward"] += sharded_grads
         grown = max(phases.values()) - est.peak_bytes
-        total = est.total_bytes + grown + int(round(config.fragmentation_frac * grown))
+        total = est.total_bytes + grown + round(config.fragmentation_frac * grown)
     else:
         total = estimate(plan.model, plan.activations, setup, config).total_bytes
     return total - config.cuda_context_bytes

@@ -60,13 +60,24 @@ from typing import Mapping
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
-from raytrain_guard.core.effects import (Effect, RunPlan, choose, prefetch_effect,
-                                         release_effect, shrink_effect)
+from raytrain_guard.core.effects import (
+    Effect,
+    RunPlan,
+    choose,
+    prefetch_effect,
+    release_effect,
+    shrink_effect,
+)
 from raytrain_guard.core.node_samples import GpuSample, NodeSample, RunSetup
 from raytrain_guard.core.stats import slope
 from raytrain_guard.core.steps import StepStats
-from raytrain_guard.core.straggler import (StragglerScore, TimingSummary,
-                                           persistent_slowdowns, score_summaries, summarize)
+from raytrain_guard.core.straggler import (
+    StragglerScore,
+    TimingSummary,
+    persistent_slowdowns,
+    score_summaries,
+    summarize,
+)
 
 
 @dataclass(frozen=True)
@@ -471,8 +482,8 @@ def _host_memory(view, state, config, at, latest, decisions, notes) -> PolicySta
             predicted = e.to_dict()
             reason += f"; predicted {e.memory_frac_after:.1%}: {e.basis}"
             if not e.helps(config.host_memory_watermark_frac):
-                reason += (f"; short of the watermark: the rest of the node's memory is not "
-                           f"the loaders'")
+                reason += ("; short of the watermark: the rest of the node's memory is not "
+                           "the loaders'")
         decisions.append(Decision(Action.SET_PREFETCH, reason, at, Cause.HOST_MEMORY,
                                   f"node:{node_id}", {"prefetch_factor": new},
                                   predicted=predicted))
