@@ -11,7 +11,9 @@ see ``core/memory_model.py``).
 
 ``--trace`` adds the traced-vs-analytic row: ``examples/llama.py`` (Llama 3.2 3B's shape, as
 users write it) traced on the CPU under FakeTensorMode, planned next to the analytic model of
-the same shape (a few minutes on a 2-core box).
+the same shape (a few minutes on a 2-core box). The last column is the measured figure over the
+predicted tensor peak plus gradient-shard holes: the ``1 + fragmentation_frac`` that would make
+the row exact.
 
 Run: ``python benchmarks/planner_published.py [--trace] [--fragmentation FRAC]``; prints a
 Markdown table (docs/benchmarks.md, "Planner against published runs").
@@ -36,8 +38,8 @@ TORCHTITAN_2024_12 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md "
                       "(torchtitan 9dec370, torch 1963fc8, Dec 2024)")
 #: Llama 3.1 8B (torchtitan's "8B" flavor: dim 4096, 32 layers, 32 heads, 8 KV heads, SwiGLU
 #: hidden 14336, vocabulary 128256, RMSNorm, rotary, no biases, untied head)
-LLAMA3_8B = dict(layers=32, hidden=4096, heads=32, num_kv_heads=8, ffn_hidden=14336,
-                 vocab=128256, gated_mlp=True, bias=False)
+LLAMA3_8B = {"layers": 32, "hidden": 4096, "heads": 32, "num_kv_heads": 8,
+             "ffn_hidden": 14336, "vocab": 128256, "gated_mlp": True, "bias": False}
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,14 @@ PUBLISHED = [
 ]
 
 #: examples/llama.py's default shape (Llama 3.2 3B, tied embeddings), seq examples.llama.SEQ_LEN
-LLAMA32_3B = dict(layers=28, hidden=3072, heads=24, num_kv_heads=8, ffn_hidden=8192,
-                  vocab=128256, gated_mlp=True, bias=False, tied_embeddings=True)
+LLAMA32_3B = {"layers": 28, "hidden": 3072, "heads": 24, "num_kv_heads": 8,
+              "ffn_hidden": 8192, "vocab": 128256, "gated_mlp": True, "bias": False,
+              "tied_embeddings": True}
 
 
 def predict_reserved(run: PublishedRun, config: GuardConfig) -> tuple[int, int]:
-    """(tensor peak, peak + allocator reserve) in bytes for one published run."""
+    """(tensor peak, peak + allocator reserve) in bytes for one published run; the reserve is
+    ``fragmentation_frac`` of the peak plus, under FSDP, the previous step's gradient shards."""
     stats, acts = analytic_transformer(seq_len=run.seq_len, precision=run.setup.precision,
                                        recompute=run.recompute, **run.shape)
     est = estimate(stats, acts, run.setup, config)
@@ -85,11 +89,12 @@ def published_rows(config: GuardConfig) -> list[str]:
     rows = []
     for run in PUBLISHED:
         peak, predicted = predict_reserved(run, config)
-        err = predicted / (run.measured_gib * GiB) - 1
+        holes = predicted - peak - round(config.fragmentation_frac * peak)
+        measured = run.measured_gib * GiB
         rows.append(f"| {run.source} | {run.config} | {run.measured_gib:.1f} GiB reserved | "
                     f"{predicted / GiB:.1f} GiB (tensors {peak / GiB:.1f} + reserve "
-                    f"{(predicted - peak) / GiB:.1f}) | {err:+.1%} | "
-                    f"{run.measured_gib * GiB / peak:.3f} |")
+                    f"{(predicted - peak) / GiB:.1f}) | {predicted / measured - 1:+.1%} | "
+                    f"{measured / (peak + holes):.3f} |")
     return rows
 
 
@@ -113,7 +118,7 @@ def trace_row(setup: TrainingSetup, config: GuardConfig) -> str:
             f"seq {llama.SEQ_LEN}, micro-batch {setup.micro_batch}, {setup.strategy.value} x "
             f"{setup.world_size}, {setup.precision.value}, no recompute | {t / GiB:.2f} GiB "
             f"(traced plan, tensors) | {a / GiB:.2f} GiB (analytic plan, tensors) | "
-            f"{a / t - 1:+.1%} | - |")
+            f"{a / t - 1:+.2%} | - |")
 
 
 def main(argv=None) -> None:
@@ -126,7 +131,7 @@ def main(argv=None) -> None:
     config = GuardConfig()
     if args.fragmentation is not None:
         config = replace(config, fragmentation_frac=args.fragmentation)
-    print("| source | config | measured | predicted | error | measured / predicted tensors |")
+    print("| source | config | measured | predicted | error | implied reserved / allocated |")
     print("|---|---|---|---|---|---|")
     for row in published_rows(config):
         print(row)

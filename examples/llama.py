@@ -24,8 +24,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 #: the sequence length the sample factory uses (the analytic plan's --seq-len)
 SEQ_LEN = 2048

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_guard.core.activations import (AttentionKernel, Recompute, TransformerShape,
-                                             analytic_transformer, layer_activation_bytes,
-                                             transformer_activations, transformer_model_stats)
+from raytrain_guard.core.activations import (
+    AttentionKernel,
+    Recompute,
+    TransformerShape,
+    analytic_transformer,
+    layer_activation_bytes,
+    transformer_activations,
+    transformer_model_stats,
+)
 from raytrain_guard.core.memory_model import Precision, TrainingSetup, estimate
 from raytrain_guard.errors import PlanInputError
 

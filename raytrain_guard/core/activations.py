@@ -282,10 +282,10 @@ def transformer_activations(shape: TransformerShape, *, precision: Precision | s
     kept = shape.layers * layer_activation_bytes(shape, 1, precision, attention, recompute)
     fixed = 0
     final, loss = _outside_layers(shape, precision)
-    notes = [f"analytic transformer (eager): {shape.layers} layers, hidden {h}, seq {s}, "
-             f"{shape.norm.value}, {attention.value} attention, recompute {recompute.value}; "
-             f"loss {LOSS_BYTES_PER_LOGIT} x seq x vocab bytes per sample (fp32 "
-             f"log-probabilities and two gradients; logits dropped before backward)"]
+    notes = [(f"analytic transformer (eager): {shape.layers} layers, hidden {h}, seq {s}, "
+              f"{shape.norm.value}, {attention.value} attention, recompute {recompute.value}; "
+              f"loss {LOSS_BYTES_PER_LOGIT} x seq x vocab bytes per sample (fp32 "
+              f"log-probabilities and two gradients; logits dropped before backward)")]
     if recompute in (Recompute.FULL, Recompute.PER_OP):
         rebuilt = sum(layer_parts(shape, 1, precision, attention).values())
         if recompute is Recompute.PER_OP:
