@@ -379,3 +379,14 @@ def test_another_jobs_full_gpu_is_not_this_runs_pressure():
     blind = _node_with((11,), [_gpu(0, 50, None), _gpu(1, 99, None)])
     (d,) = _decide(view({0: rank(0), 1: rank(1, node="n1")}, {"n1": blind})).decisions
     assert d.action is Action.CHECKPOINT_AND_STOP and "node n1 GPU 1 at 99%" in d.reason
+
+
+def test_node_ids_are_short_in_messages_and_whole_in_params():
+    from raytrain_guard.core.policy import short_node_id
+    node_id = "f" * 56
+    assert short_node_id(node_id) == "ffffffff..." and short_node_id("n1") == "n1"
+    gpu = GpuSample(index=0, memory_used_bytes=95, memory_total_bytes=100)
+    out = _decide(view({0: rank(0, node=node_id)}, {node_id: node(node_id, gpus=[gpu])}))
+    (d,) = out.decisions
+    assert "node ffffffff... GPU 0 at 95%" in d.reason and node_id not in d.reason
+    assert out.notes[0].startswith("node ffffffff...: every GPU counts")

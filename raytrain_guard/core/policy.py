@@ -254,8 +254,8 @@ def run_gpus(node: NodeSample, runs_ranks: bool = True
         if mine:
             return mine, None
         why = "no GPU lists a registered worker's pid (the driver sees another pid namespace?)"
-    return node.gpus, (f"node {node.node_id}: every GPU counts as this run's memory pressure: "
-                       f"{why}")
+    return node.gpus, (f"node {short_node_id(node.node_id)}: every GPU counts as this run's "
+                       f"memory pressure: {why}")
 
 
 def _cooled(last_apply_step: int | None, latest: int | None, config: GuardConfig) -> bool:
