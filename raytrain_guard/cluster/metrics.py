@@ -201,12 +201,16 @@ class RankMetrics:
         self._prefetch = _gauge(RANK_PREFETCH, "the DataLoader's prefetch_factor in force")
         self._workers = _gauge(RANK_LOADER_WORKERS, "the DataLoader's num_workers in force")
         self._phase_tags = {p: {**self.tags, "phase": p} for p in PHASES}
+        # values that change rarely, set again with every batch: Ray drops a gauge not set for
+        # two export intervals (its OpenTelemetry recorder's TTL), so a line set once vanishes
+        self._steady: dict[str, tuple[Any, float]] = {}
         if watermark_frac is not None:
-            _gauge(RANK_WATERMARK, "memory watermark (release cache)").set(
-                float(watermark_frac), tags=self.tags)
+            self._steady["watermark"] = (_gauge(RANK_WATERMARK, "memory watermark (release "
+                                                "cache)"), float(watermark_frac))
         if critical_frac is not None:
-            _gauge(RANK_CRITICAL, "memory critical line (checkpoint and stop)").set(
-                float(critical_frac), tags=self.tags)
+            self._steady["critical"] = (_gauge(RANK_CRITICAL, "memory critical line "
+                                               "(checkpoint and stop)"), float(critical_frac))
+        self._set_steady()
 
     def record(self, stats: Iterable[Any]) -> int:
         """Set the gauges from a batch of StepStats (oldest first); returns how many steps."""
@@ -227,11 +231,18 @@ class RankMetrics:
         if last.memory_frac is not None:
             self._memory.set(float(last.memory_frac), tags=tags)
         self._steps.inc(float(n), tags=tags)
+        self._set_steady()
         return n
+
+    def _set_steady(self) -> None:
+        for gauge, value in self._steady.values():
+            gauge.set(value, tags=self.tags)
 
     def record_decision(self, decision: Decision) -> None:
         self._decisions.inc(1.0, tags={**self.tags, "action": decision.action.value})
 
     def record_loader(self, num_workers: int, prefetch_factor: int) -> None:
-        self._workers.set(float(num_workers), tags=self.tags)
-        self._prefetch.set(float(prefetch_factor), tags=self.tags)
+        """The DataLoader settings in force (set again with every batch from now on)."""
+        self._steady["num_workers"] = (self._workers, float(num_workers))
+        self._steady["prefetch_factor"] = (self._prefetch, float(prefetch_factor))
+        self._set_steady()
