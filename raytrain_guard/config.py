@@ -220,6 +220,13 @@ class GuardConfig:
         "robust standard deviations (1.4826 x the median absolute deviation), and a rank's "
         "excess over the reference must clear this many of its own. Default 3.5: Iglewicz and "
         "Hoaglin's cut-off for the modified z-score.", 0.0)
+    slow_step_adaptive_persistence: bool = field(default=True, metadata={
+        "doc": "A run of slow steps must also outlast every streak of slow steps that ended by "
+               "itself within the last step_window steps (at most 3 x num_slow_steps), so a box "
+               "whose noise comes in streaks is not named slow at each one. Default on: issue 11; "
+               "a 2-core box with a third busy process alternates normal and ~2.4x steps in "
+               "streaks of 3-7 (measured: 34 and 27 gate events in 650 steps with 3 in a row, 9 "
+               "and 10 with this). On a clean box it asks num_slow_steps (the seed rule)."})
     cache_release_min_frac: float = _doc(
         0.05, "A cache release is decided only when a rank's allocator holds at least this "
         "fraction of the card cached but unallocated (reserved - allocated). Default 5 %: the "

@@ -140,9 +140,19 @@ SLOW_CASES = [
     ("two in a row are not three", {}, WARM + ["data", "data", "n", "data", "data", "n"], []),
     # Six slow steps in a row: one event per run.
     ("once per run", {}, WARM + ["data"] * 6, [(10, Cause.DATA)]),
-    # A run of 3, four normal steps, another run of 3 (median still 0.1: 10 normal vs 3 slow).
-    ("a new run is a new event", {}, WARM + ["data"] * 3 + ["n"] * 4 + ["compute"] * 3,
-     [(10, Cause.DATA), (17, Cause.COMPUTE)]),
+    # A run of 3, four normal steps, another run (median still 0.1: 10 normal vs 3 slow).
+    # Adaptive persistence: the second run must outlast the streak of 3 that ended: 4 steps.
+    ("a new run is a new event", {}, WARM + ["data"] * 3 + ["n"] * 4 + ["compute"] * 4,
+     [(10, Cause.DATA), (18, Cause.COMPUTE)]),
+    ("a new run as long as the last is none", {}, WARM + ["data"] * 3 + ["n"] * 4
+     + ["compute"] * 3, [(10, Cause.DATA)]),
+    ("without adaptive persistence, 3 again", {"slow_step_adaptive_persistence": False},
+     WARM + ["data"] * 3 + ["n"] * 4 + ["compute"] * 3, [(10, Cause.DATA), (17, Cause.COMPUTE)]),
+    # Streaks of 2 (noise) raise the bar to 3 only: the seed rule; a streak of 5 raises it to 6.
+    ("after streaks of 2, 3 in a row", {}, WARM + ["comm", "comm", "n"] * 2 + ["data"] * 3,
+     [(16, Cause.DATA)]),
+    ("after a streak of 5, 6 in a row", {"num_slow_steps": 6},
+     WARM + ["comm"] * 5 + ["n"] * 6 + ["data"] * 6, [(24, Cause.DATA)]),
     # A lasting slowdown becomes the new normal: after 6 slow steps the window (6 x 0.1,
     # 6 x 0.2) has median 0.15, threshold 0.225, so later 0.2 s steps are not slow.
     ("lasting slowdown becomes the baseline", {}, WARM + ["data"] * 6 + ["n"] + ["data"] * 3,
@@ -206,8 +216,8 @@ def test_state_dict_round_trip_gives_the_same_decisions():
     config = GuardConfig(pacing_enabled=True, release_cache_min_interval_s=0.0)
     kinds = WARM + ["data"] * 2          # mid-run: two slow steps seen, the third comes later
     fracs = [0.80, 0.88, 0.89, 0.87, 0.86, 0.89, 0.84, 0.83, 0.86, 0.87]
-    rest_kinds, rest_fracs = ["data", "n", "compute", "compute", "compute"], \
-        [0.88, 0.89, 0.90, 0.70, 0.70]
+    rest_kinds, rest_fracs = ["data", "n", "compute", "compute", "compute", "compute"], \
+        [0.88, 0.89, 0.90, 0.70, 0.70, 0.70]
 
     def stats(kind, i, frac):
         return StepStats(step=i, memory_frac=frac, **(NORMAL if kind == "n" else SLOW[kind]))
@@ -225,7 +235,8 @@ def test_state_dict_round_trip_gives_the_same_decisions():
     # Before the save: release + pace at 0.88 (index 1); at 0.89 (index 2) the trend through
     # 0.80 0.88 0.89 (slope 0.045/step) predicts 1.025 -> stopped; 0.84 re-armed, pacing ended.
     # After: 0.88 releases and paces again, the data run completes (SLOW_STEP), 0.70 ends
-    # pacing, the compute run of 3 completes (SLOW_STEP). `whole` never stops twice; the
+    # pacing, the compute run of 4 completes (SLOW_STEP: adaptive persistence asks one more
+    # than the data streak of 3 that ended before it). `whole` never stops twice; the
     # restored gate is a resumed run, whose stop rule is live again ("stopped" is not saved):
     # at the first 0.88 after the load the rising trend of the kept readings predicts
     # >= critical, so it asks to stop (decided between release and pace), the only difference.

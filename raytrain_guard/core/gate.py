@@ -22,7 +22,11 @@ Rules, every threshold from :class:`~raytrain_guard.config.GuardConfig`:
   wolf on a noisy median of millisecond steps (issue 11: 19 events in 640 clean steps).
   ``num_slow_steps`` slow steps in a row, each slow in the same component (the one that grew
   most over its window median: a preemption lands in a random phase, a real slowdown stays in
-  one) -> one ``SLOW_STEP`` event per run of slow steps,
+  one) -> one ``SLOW_STEP`` event per run of slow steps. With
+  ``slow_step_adaptive_persistence`` (on by default) a run must also outlast every streak of
+  slow steps that ended by itself in the last ``step_window`` steps (up to 3 x
+  ``num_slow_steps``): an oversubscribed box alternates normal and ~2.4x steps in streaks of
+  3-7, which a fixed 3 in a row names as slowdowns (issue 11). An event comes
   with the cause of the component that grew most against its own recent median: data wait
   -> ``DATA``, compute (forward + backward + optimizer) -> ``COMPUTE``, communication wait
   -> ``COMMUNICATION`` (so communication is named only when compute grew less than it).
@@ -58,6 +62,11 @@ from raytrain_guard.errors import InputError
 
 _STATE_VERSION = 1
 _MIN_MEDIAN_POINTS = 3      # a median of fewer than three steps is one of them, not a baseline
+MAX_PERSISTENCE_FACTOR = 3
+"""Adaptive persistence asks at most 3 x ``num_slow_steps`` slow steps (9 by default): a box
+whose noise comes in longer streaks than that has lost the rule's point; the cap keeps a real
+slowdown named within 9 steps there (the streaks measured on an oversubscribed 2-core box
+reached 7)."""
 
 
 class StepGate:
@@ -82,6 +91,9 @@ class StepGate:
         self._run: list[StepStats] = []          # the current run of consecutive slow steps
         self._run_reported = False
         self._run_cause: Cause | None = None     # the component the current run is slow in
+        self._streak = 0                         # slow steps in a row, whatever their cause
+        self._ended_runs: deque[tuple[int, int]] = deque()   # (ending step, length) of
+                                                 # streaks that ended by themselves lately
         self._num_seen = 0
         self._armed = True                       # watermark rule may fire
         self._last_release_s: float | None = None
@@ -136,12 +148,17 @@ class StepGate:
                 self._run.clear()
             self._run_cause = cause
             self._run.append(stats)
-            if len(self._run) >= cfg.num_slow_steps and not self._run_reported:
+            self._streak += 1
+            if len(self._run) >= self._persistence(stats.step) and not self._run_reported:
                 self._run_reported = True
                 decisions.append(self._slow_step_decision(stats, threshold_s))
-        elif self._run:
-            self._run.clear()
-            self._run_reported = False
+        else:
+            if self._streak:
+                self._ended_runs.append((stats.step, self._streak))
+                self._streak = 0
+            if self._run:
+                self._run.clear()
+                self._run_reported = False
         window = self._window                   # into the window, its totals kept sorted
         if len(window) == window.maxlen:
             del totals[bisect.bisect_left(totals, window[0].total_s)]
@@ -235,6 +252,8 @@ class StepGate:
             "run": [s.to_dict() for s in self._run],
             "run_reported": self._run_reported,
             "run_cause": None if self._run_cause is None else self._run_cause.value,
+            "streak": self._streak,
+            "ended_runs": [list(r) for r in self._ended_runs],
             "num_seen": self._num_seen,
             "armed": self._armed,
             "pacing": self._pacing,
@@ -256,6 +275,8 @@ class StepGate:
         self._run_reported = bool(state["run_reported"])
         run_cause = state.get("run_cause")       # absent in states saved before issue 11
         self._run_cause = None if run_cause is None else Cause(run_cause)
+        self._streak = int(state.get("streak", 0))
+        self._ended_runs = deque((int(a), int(b)) for a, b in state.get("ended_runs", ()))
         self._num_seen = int(state["num_seen"])
         self._armed = bool(state["armed"])
         self._stopped = False              # a resumed run is protected anew (older states
@@ -321,6 +342,21 @@ class StepGate:
                   f"recent median {median_s:.4f} s + {cfg.slow_step_mad_k:g} x robust spread "
                   f"{sigma_s:.4f} s")]
         return max(terms, key=lambda t: t[0])[1]
+
+    def _persistence(self, step: int) -> int:
+        """Slow steps in one cause that make an event: ``num_slow_steps``, or with
+        ``slow_step_adaptive_persistence`` one more than the longest streak of slow steps that
+        ended by itself within the last ``step_window`` steps, at most
+        ``MAX_PERSISTENCE_FACTOR`` x ``num_slow_steps``."""
+        cfg = self.config
+        if not cfg.slow_step_adaptive_persistence:
+            return cfg.num_slow_steps
+        ended = self._ended_runs
+        while ended and ended[0][0] <= step - cfg.step_window:
+            ended.popleft()
+        longest = max((n for _, n in ended), default=0)
+        return min(MAX_PERSISTENCE_FACTOR * cfg.num_slow_steps,
+                   max(cfg.num_slow_steps, longest + 1))
 
     def _step_cause(self, stats: StepStats) -> Cause:
         """The component of one slow step that grew most over its median in the window
