@@ -167,7 +167,9 @@ class GuardReport:
     loaders: tuple[Mapping[str, Any] | None, ...] = ()
     """Per rank: the DataLoader settings in force, what was lowered and why, the data wait."""
     attempts: int = 0
-    """Worker groups started (the coordinator's attempt number)."""
+    """Worker groups started: each failure ended one, and a run that finished had one more
+    (at least the coordinator's attempt number, which counts the groups that reached their
+    first step)."""
     worker_failures: tuple[Mapping[str, Any], ...] = ()
     """Ray Train's controller's ``after_exception`` calls: the ranks and their errors."""
     num_reports: int = 0
@@ -226,6 +228,7 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
             ray.init(namespace=options.namespace)
         start = time.perf_counter()
         handles = {}
+        finished = False
         try:
             # keep the handles: a named, non-detached actor dies with its owner's last handle
             handles["monitors"] = start_monitors(options.namespace, self.run_id, options.config,
@@ -237,8 +240,10 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
                         "%r", self.run_id, self.settings.run_name, len(handles["monitors"]),
                         options.namespace)
             result = super().fit()
+            finished = True
         finally:
-            self.report = self._collect(handles.get("coordinator"), time.perf_counter() - start)
+            self.report = self._collect(handles.get("coordinator"), time.perf_counter() - start,
+                                        finished=finished)
             try:
                 stop_all(options.namespace, self.run_id)
             except Exception:
@@ -269,7 +274,7 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
                                 use_gpu=bool(self.scaling_config.use_gpu))
         return check_plan(plan, force=options.force)
 
-    def _collect(self, coordinator: Any, wall_s: float) -> GuardReport:
+    def _collect(self, coordinator: Any, wall_s: float, *, finished: bool) -> GuardReport:
         """Status, rank summaries and controller events from the coordinator (one ``ray.get``
         with a timeout each), folded into a :class:`GuardReport`."""
         status: dict[str, Any] = {}
@@ -284,13 +289,15 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
                 logger.warning("run %s: the coordinator did not answer at the end (%r)",
                                self.run_id, exc)
         return build_report(self.run_id, status, summaries, events, wall_s, self.plan_line,
-                            straggler_frac=self.guard_options.config.straggler_frac)
+                            straggler_frac=self.guard_options.config.straggler_frac,
+                            finished=finished)
 
 
 def build_report(run_id: str, status: Mapping[str, Any], summaries: Mapping[int, Any],
                  events: list[Mapping[str, Any]], wall_s: float, plan_line: str = "", *,
-                 straggler_frac: float) -> GuardReport:
-    """The :class:`GuardReport` of a run from what the coordinator gathered."""
+                 straggler_frac: float, finished: bool = True) -> GuardReport:
+    """The :class:`GuardReport` of a run from what the coordinator gathered (``finished``:
+    the run ended without an error)."""
     ranks = [summaries[r] for r in sorted(summaries)]
     combined = combine_summaries(ranks, straggler_frac=straggler_frac) if ranks else {}
     loaders = combined.get("loader") or []
@@ -304,7 +311,9 @@ def build_report(run_id: str, status: Mapping[str, Any], summaries: Mapping[int,
     run = summarize(run_id, results, status, wall_s, plan_line, batch)
     failures = tuple(e for e in events if e.get("kind") == "exception")
     return GuardReport(run=run, attribution=tuple(results["attribution"]),
-                       loaders=tuple(loaders), attempts=int(status.get("attempt") or 0),
+                       loaders=tuple(loaders),
+                       attempts=max(int(status.get("attempt") or 0),
+                                    len(failures) + (1 if finished else 0)),
                        worker_failures=failures,
                        num_reports=sum(1 for e in events if e.get("kind") == "report"),
                        ranks=tuple(ranks))

@@ -254,3 +254,17 @@ def test_the_guarded_train_function_keeps_the_arity():
     one({"a": 1})
     zero()
     assert seen[0][0] == {"a": 1} and seen[0][1] is not seen[1]   # a fresh guard per run
+
+
+def test_the_report_counts_attempts_from_failures_and_the_coordinator():
+    from raytrain_guard.train import build_report
+
+    failure = {"kind": "exception", "ranks": [1], "errors": {"1": "RuntimeError()"}}
+    report = {"kind": "report"}
+    # a failure before any step: the coordinator issued one attempt, the run had two
+    two = build_report("r", {"attempt": 1}, {}, [failure, report], 1.0, straggler_frac=0.1)
+    assert (two.attempts, len(two.worker_failures), two.num_reports) == (2, 1, 1)
+    # the run failed for good on its second failure: two attempts, both ended by a failure
+    assert build_report("r", {"attempt": 2}, {}, [failure, failure], 1.0, straggler_frac=0.1,
+                        finished=False).attempts == 2
+    assert build_report("r", {}, {}, [], 1.0, straggler_frac=0.1).attempts == 1

@@ -13,7 +13,10 @@ checks:
 * a stop requested from the driver while the run is live is honoured by both ranks at the same
   step, a lockstep agreement step;
 * the guard's named actors are listed by Ray's state API while the run is live, and are gone
-  after it; Ray Train's controller callback reported the run's report rounds.
+  after it;
+* rank 1 fails once early on (``FailureConfig(max_failures=1)``): Ray Train's controller
+  callback (``UserCallback.after_exception``) reports the failure, the coordinator counts two
+  attempts, and its report rounds (``after_report``) are counted.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ NS = "rtg_test_dropin"
 # The plain script, as a Ray Train user writes it (the issue's), with a toy model and data and
 # one slow rank: the environment the guard must see through.
 PLAIN = '''\
+import os
 import time
 
 import ray
@@ -57,6 +61,9 @@ class Batches(torch.utils.data.Dataset):
         return {"x": self.x[i], "y": self.y[i]}
 
 
+FAIL_ONCE = None            # a path: rank 1's first attempt fails there once
+
+
 class Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -66,6 +73,9 @@ class Model(torch.nn.Module):
     def forward(self, x):
         if ray.train.get_context().get_world_rank() == 1:
             time.sleep(0.02)                  # rank 1 is slow in compute
+            if FAIL_ONCE and not os.path.exists(FAIL_ONCE):
+                open(FAIL_ONCE, "w").close()
+                raise RuntimeError("rank 1 fails once")
         return self.net(x)
 
 
@@ -193,7 +203,7 @@ class Watcher(threading.Thread):
 
 
 def test_converted_script_runs_guarded(ray_with_dashboard):
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.util.state import list_actors
 
     from raytrain_guard.cluster.actors import MONITOR_PREFIX
@@ -201,10 +211,13 @@ def test_converted_script_runs_guarded(ray_with_dashboard):
     from raytrain_guard.config import GuardConfig
 
     script = load(convert(PLAIN), "converted_script")
+    tmp = _tmp()
+    script.FAIL_ONCE = os.path.join(tmp, "failed_once")
     trainer = script.TorchTrainer(
         script.train_func, train_loop_config={"epochs": 6},
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name="dropin_test", storage_path=str(_tmp())),
+        run_config=RunConfig(name="dropin_test", storage_path=tmp,
+                             failure_config=FailureConfig(max_failures=1)),
         guard={"namespace": NS, "decision_interval_s": 1e9})     # no policy decisions: only ours
     watcher = Watcher(trainer, ray_with_dashboard)
     watcher.start()
@@ -256,9 +269,12 @@ def test_converted_script_runs_guarded(ray_with_dashboard):
     assert model["wrapped"] == "DistributedDataParallel"
     assert model["bucket_cap_bytes"] == int(model["bucket_cap_mb"] * 2**20)
 
-    # Ray Train's controller callback: report rounds seen, no worker failure; one attempt
-    assert report.num_reports >= 1 and not report.worker_failures
-    assert report.attempts == 1
+    # Ray Train's controller callback: rank 1's failure, then a second attempt that reported
+    assert os.path.exists(script.FAIL_ONCE)
+    assert [f["ranks"] for f in report.worker_failures] == [[1]], report.worker_failures
+    assert "rank 1 fails once" in report.worker_failures[0]["errors"]["1"]
+    assert report.attempts == 2
+    assert report.num_reports >= 1
 
 
 def _tmp():
