@@ -12,6 +12,7 @@ Exit codes: 0 success (for ``plan``: the plan fits), 1 the plan does not fit, 2 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -598,7 +599,9 @@ def run_experiment(args: argparse.Namespace) -> int:
     out = args.out or time.strftime("raytrain-guard-experiment-%Y%m%d-%H%M%S")
     progress = None if args.json else (lambda line: print(line, flush=True))
     try:
-        result = experiment(setup, out, progress=progress)
+        # with --json, stdout carries the one object: what Ray prints goes to stderr meanwhile
+        with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+            result = experiment(setup, out, progress=progress)
     except InputError:
         raise
     except Exception as exc:  # noqa: BLE001 - the experiment itself could not run: exit 1
@@ -611,6 +614,20 @@ def run_experiment(args: argparse.Namespace) -> int:
         print(format_text(result))
         print(f"report: {result['report']}")
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """File descriptor 1 points at stderr inside the block (Python's and C's writes alike)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def add_demo_command(subparsers) -> None:

@@ -17,6 +17,8 @@ The planner calls it before launch; the worker runtime calls it again with measu
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from raytrain_guard.config import GuardConfig
@@ -153,3 +155,14 @@ def _with_list_warning(warnings: list[str], list_backed_dataset: bool) -> tuple[
             "reference counts and copies those pages (copy-on-read), so worker memory grows "
             "towards a full copy per worker; store samples in numpy arrays or tensors instead")
     return tuple(warnings)
+
+
+def loader_workers_needed(workers: int, data_wait_s: float, rest_s: float, *,
+                          least: int = 2) -> int:
+    """DataLoader workers that fetch a batch per step (pure). A step is ``rest_s`` of work
+    plus ``data_wait_s`` of waiting for data. Without workers the fetch is the wait; with
+    ``W`` busy workers a batch arrives every ``rest_s + data_wait_s``, so one fetch takes
+    ``W x (rest_s + data_wait_s)``. Keeping up takes ``fetch / rest_s`` workers, plus one
+    for the jitter; at least ``least``."""
+    fetch = data_wait_s if workers == 0 else workers * (rest_s + data_wait_s)
+    return max(least, math.ceil(fetch / max(rest_s, 1e-4)) + 1)

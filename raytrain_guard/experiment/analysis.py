@@ -153,6 +153,10 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     traces = read_ranks(os.path.join(arm_dir, "trace"))
     audits = read_ranks(os.path.join(arm_dir, "audit"))
     orders = {rank: _attempt_order(records) for rank, records in traces.items()}
+    for rank, records in traces.items():      # _try: which attempt of the run, from 0
+        index = {a: i for i, a in enumerate(orders[rank])}
+        for r in records:
+            r["_try"] = index.get(r.get("attempt"), -1)
     rank0 = traces.get(0, [])
     starts = [r for r in rank0 if r.get("t") == "start"]
     ends = [r for r in rank0 if r.get("t") == "end"]
@@ -172,6 +176,7 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
 
     steps = [r for records in traces.values() for r in records if r.get("t") == "step"]
     totals = [r["total_s"] for r in steps]
+    in_fault = [r for r in steps if any(f.active(r["step"]) for f in faults)]
     fracs = [r["memory_frac"] for r in steps if r.get("memory_frac") is not None]
     waits = sum(r.get("data_wait_s", 0.0) for r in steps)
     errors = [r for records in traces.values() for r in records if r.get("t") == "error"]
@@ -186,7 +191,7 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
                     "step": d.get("applied_at"), "reason": d.get("reason")}
                    for d in _merged(decisions) if d.get("action") == "flag_straggler"
                    for r in (d.get("params", {}).get("ranks") or d.get("ranks") or [])]
-    detections += _hang_detections(hangs)
+    detections += _hang_detections(hangs, starts)
     completed = bool(ends) and launch_error is None
     train_wall = (ends[-1]["wall"] - starts[0]["wall"]) if ends and starts else None
     return {
@@ -203,6 +208,7 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
         if train_wall else None,
         "step_p50_s": _round(quantile(totals, 0.5)), "step_p99_s": _round(quantile(totals, 0.99)),
         "data_wait_frac": round(waits / sum(totals), 4) if totals and sum(totals) else None,
+        "fault_data_wait_frac": _wait_frac(in_fault),
         "peak_memory_frac": round(max(fracs), 4) if fracs else None,
         "global_batch": micro * accum * world,
         "batch_changes": [{"step": d.get("applied_at"), **d.get("params", {})}
@@ -215,18 +221,22 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     }
 
 
+def _wait_frac(steps: Sequence[Mapping[str, Any]]) -> float | None:
+    """Data wait over step time, summed over ``steps`` (None for none)."""
+    total = sum(r["total_s"] for r in steps)
+    return round(sum(r.get("data_wait_s", 0.0) for r in steps) / total, 4) if total else None
+
+
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 5)
 
 
 def _error_line(errors: Sequence[Mapping[str, Any]]) -> str | None:
-    """``OutOfMemoryError on rank 1 at step 31`` for the earliest error of the last attempt
-    that failed (the cause; the other ranks' errors follow from it)."""
+    """``OutOfMemoryError on rank 1 at step 31`` for the error that caused the last attempt
+    that failed to fail (:func:`_first_error_per_attempt`)."""
     if not errors:
         return None
-    last = max(errors, key=lambda e: e["wall"])
-    same = [e for e in errors if abs(e["wall"] - last["wall"]) < 30]
-    first = min(same, key=lambda e: (e.get("error") in _CONSEQUENCES, e["wall"]))
+    first = _first_error_per_attempt(errors)[-1]
     return f"{first.get('error')} on rank {_rank_of(first)} at step {first.get('step')}"
 
 
@@ -239,13 +249,13 @@ def _rank_of(record: Mapping[str, Any]) -> Any:
 
 
 def _first_error_per_attempt(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    groups: list[list[Mapping[str, Any]]] = []
-    for e in sorted(errors, key=lambda e: e["wall"]):
-        if groups and e["wall"] - groups[-1][0]["wall"] < 30:
-            groups[-1].append(e)
-        else:
-            groups.append([e])
-    return [min(g, key=lambda e: (e.get("error") in _CONSEQUENCES, e["wall"])) for g in groups]
+    """Per attempt, in order, the error that caused it to fail: the earliest of its ranks'
+    errors that is not a consequence of another rank's (a broken collective)."""
+    groups: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for e in errors:
+        groups[e.get("_try", -1)].append(e)
+    return [min(groups[t], key=lambda e: (e.get("error") in _CONSEQUENCES, e["wall"]))
+            for t in sorted(groups)]
 
 
 def _merged(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -268,16 +278,26 @@ def _decision(d: Mapping[str, Any]) -> dict[str, Any]:
             "predicted": d.get("predicted"), "measured": d.get("measured")}
 
 
-def _hang_detections(hangs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The hung rank is the one stuck longest in its phase: the others went on until they
-    blocked in the collective that waits for it."""
+#: a step's phases in order: the hung rank is the one that stopped earliest in its step
+PHASE_ORDER = {"data": 0, "forward": 1, "backward": 2, "optimizer": 3}
+
+
+def _hang_detections(hangs: Sequence[Mapping[str, Any]], starts: Sequence[Mapping[str, Any]]
+                     ) -> list[dict[str, Any]]:
+    """Per attempt, the hung rank: the one that stopped earliest in its step (the others went
+    on until they blocked in the collective that waits for it), the longest there on a tie."""
     out = []
-    by_step: dict[Any, list[Mapping[str, Any]]] = defaultdict(list)
+    by_try: dict[Any, list[Mapping[str, Any]]] = defaultdict(list)
     for h in hangs:
-        by_step[(h.get("attempt_group"), h.get("step"))].append(h)
-    for group in by_step.values():
-        hung = max(group, key=lambda h: h.get("phase_for_s", 0))
+        by_try[h.get("_try")].append(h)
+    for group in by_try.values():
+        hung = min(group, key=lambda h: (PHASE_ORDER.get(h.get("phase"), 9),
+                                         -h.get("phase_for_s", 0)))
+        began = hung["wall"] - hung.get("step_for_s", 0.0)
+        restart = min((r["wall"] for r in starts if r["wall"] > hung["wall"]), default=None)
         out.append({"kind": "hang", "rank": hung.get("world_rank"), "cause": "hang",
                     "step": hung.get("step"), "phase": hung.get("phase"),
-                    "seconds_to_detect": hung.get("step_for_s"), "reason": hung.get("reason")})
+                    "seconds_to_detect": hung.get("step_for_s"),
+                    "seconds_to_restart": None if restart is None else round(restart - began, 2),
+                    "reason": hung.get("reason")})
     return out

@@ -57,6 +57,7 @@ class SimulatedDevice:
         self.activation_bytes = 0
         self.last_activation_bytes = 0   # saved by the last tracked forward
         self._storages: set[int] = set()
+        self._parameter_storages: set[int] = set()   # saved weights are no activations
         self.step_peak_bytes = 0
 
     @property
@@ -67,6 +68,7 @@ class SimulatedDevice:
     def measure_static(self, model: Any, optimizer: Any) -> int:
         """Parameters, their gradients (trainable ones, counted whole) and optimizer state."""
         params = grads = 0
+        self._parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
         for p in model.parameters():
             size = p.numel() * p.element_size()
             params += size
@@ -105,7 +107,7 @@ class SimulatedDevice:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in self._storages and not isinstance(tensor, torch.nn.Parameter):
+        if key not in self._storages and key not in self._parameter_storages:
             self._storages.add(key)
             size = storage.nbytes()
             self._check(size, "activations")

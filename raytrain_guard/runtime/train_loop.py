@@ -65,8 +65,10 @@ import json
 import logging
 import os
 import random
+import statistics
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator, Mapping
 
@@ -275,6 +277,7 @@ class GuardedTrainLoop:
         self._trace: Any = None
         self.attempt = f"{os.getpid()}-{time.time_ns() % 10**12}"
         self._act_per_elem: float | None = None   # activation bytes per batch element, learned
+        self._batch_elements: deque[int] = deque(maxlen=64)   # sizes of the batches seen
         self._split_pending: list[dict[str, Any]] = []   # splits of this step, measured at its end
         self._loader_workers_at: int | None = None    # step of the last loader-worker change
         self.restart_reason: str | None = None
@@ -497,6 +500,9 @@ class GuardedTrainLoop:
                 self.loader.close()
             if self.restart_reason is not None:
                 self._checkpoint({"kind": "restart"})
+                # Ray's controller takes one report per poll: this one returns once it took
+                # the checkpoint's, so the restarted group resumes from it, not an older one
+                self.reporter.report({"step": self.step, "kind": "restart_flush"}, None)
                 raise RestartRequested(f"rank {self.rank}: checkpointed at step {self.step} and "
                                        f"restarting the group: {self.restart_reason}")
             self.results = self._finish(self._clock() - start)
@@ -640,21 +646,28 @@ class GuardedTrainLoop:
         """Activation bytes per batch element, the largest seen: what prices the next batch."""
         elements = _batch_elements(batch)
         if elements:
+            self._batch_elements.append(elements)
             per_elem = self.sim_device.last_activation_bytes / elements
             if self._act_per_elem is None or per_elem > self._act_per_elem:
                 self._act_per_elem = per_elem
 
     def _pieces(self, batch: Any) -> Any:
-        """``((batch, 1.0),)``, or the batch in ``k`` pieces with their sample weights when its
+        """``((batch, 1.0),)``, or the batch in ``k`` pieces with their sample weights when it
+        is larger than the batches so far (a spike in the data: longer sequences) and its
         activations, priced per element before the forward, would take the card past the
-        watermark. Only under DDP or ZeRO-1 (a rank may run extra forwards alone there; under
-        FSDP every rank would have to agree first) and only when the guard acts."""
+        watermark. Memory that grows under normal batches is the memory rules' to handle (a
+        checkpoint before the out-of-memory). Only under DDP or ZeRO-1 (a rank may run extra
+        forwards alone there; under FSDP every rank would have to agree first) and only when
+        the guard acts."""
         from raytrain_guard.runtime.batches import leading_batch_size, map_tensors
 
         sim, per_elem = self.sim_device, self._act_per_elem
         if per_elem is None:
             return ((batch, 1.0),)
-        predicted = per_elem * _batch_elements(batch)
+        elements = _batch_elements(batch)
+        if elements <= _SPIKE_FACTOR * statistics.median(self._batch_elements):
+            return ((batch, 1.0),)
+        predicted = per_elem * elements
         room = sim.capacity_bytes * self.config.guard.memory_watermark_frac - sim.base_bytes
         if predicted <= room:
             return ((batch, 1.0),)
@@ -668,7 +681,7 @@ class GuardedTrainLoop:
                   f"bytes per element), which takes the card to {predicted_frac:.0%} "
                   f"(watermark {self.config.guard.memory_watermark_frac:.0%})")
         act = self.config.act and fits
-        self._split_pending.append({
+        entry = {
             "action": "split_micro_batch", "step": self.step, "applied_at": self.step,
             "scope": "rank", "cause": "device_memory", "world_rank": self.rank,
             "decision_id": 0, "applied": act,
@@ -676,9 +689,12 @@ class GuardedTrainLoop:
                                 else "; not split (the guard observes only)" if fits else
                                 "; not split (FSDP ranks would have to agree)"),
             "params": {"pieces": pieces if act else 1, "micro_batch": size},
-            "predicted": {"peak_frac": round(piece_frac if act else predicted_frac, 4)}})
-        if not act:
+            "predicted": {"peak_frac": round(piece_frac if act else predicted_frac, 4)}}
+        if not act:                    # seen coming, written down now: the step may not end
+            self.decisions.append(entry)
+            self._trace_event("decision", **entry)
             return ((batch, 1.0),)
+        self._split_pending.append(entry)
         bounds = [size * i // pieces for i in range(pieces + 1)]
         return tuple((map_tensors(batch, lambda t, lo=lo, hi=hi: t[lo:hi]), (hi - lo) / size)
                      for lo, hi in zip(bounds, bounds[1:]) if hi > lo)
@@ -785,7 +801,7 @@ class GuardedTrainLoop:
         if stop:
             logger.warning("rank %d: checkpoint and stop at step %d: %s", self.rank, step,
                            self.stop_reason)
-            if cfg.restart_after_stop:
+            if cfg.restart_after_stop and step < self.total_steps:
                 self.restart_reason = self.stop_reason
             return True
         if checkpoint_now:
@@ -794,16 +810,23 @@ class GuardedTrainLoop:
 
     def _add_loader_workers(self, step: int, decision: Decision) -> None:
         """Slow steps caused by data on this rank: rebuild its loader at the same position with
-        twice the workers (at most ``max_workers_per_gpu``; the loader keeps prefetch inside the
-        host budget), at most once per ``decision_cooldown_steps``. Rank-local: the batches and
-        their order do not change, only who reads them."""
+        the workers that keep up with the step (:func:`loader_workers_needed` from the last slow
+        steps; at most ``max_workers_per_gpu``: the loader keeps prefetch inside the host
+        budget), at most once per ``decision_cooldown_steps``. Rank-local: the batches and their
+        order do not change, only who reads them."""
+        from raytrain_guard.core.dataloader_sizing import loader_workers_needed
+
         guard = self.config.guard
         if self._loader_workers_at is not None and \
                 step - self._loader_workers_at < guard.decision_cooldown_steps:
             return
         old = self.loader
         workers = old.plan.num_workers
-        new_workers = min(guard.max_workers_per_gpu, max(2, 2 * workers))
+        recent = self.guard.gate.window[-guard.num_slow_steps:]
+        wait = statistics.median(s.data_wait_s for s in recent) if recent else 0.0
+        rest = statistics.median(s.total_s - s.data_wait_s for s in recent) if recent else 0.0
+        new_workers = min(guard.max_workers_per_gpu,
+                          loader_workers_needed(workers, wait, rest, least=guard.min_workers_per_gpu))
         if new_workers <= workers:
             return
         self._loader_workers_at = step
@@ -1032,6 +1055,8 @@ class GuardedTrainLoop:
 
 
 _OTHER_RANK_STOP = "another rank's gate asked to checkpoint and stop"
+#: a batch this many times larger than the median batch so far is a spike in the data
+_SPIKE_FACTOR = 1.25
 _HANG_EXIT_CODE = 75     # EX_TEMPFAIL: the watchdog ended a hung process; Ray restarts the group
 
 

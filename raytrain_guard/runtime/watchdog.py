@@ -79,7 +79,8 @@ class StepWatchdog:
         """The time a step may take now; None before ``warmup_steps`` steps ended."""
         if len(self._durations) < self.warmup_steps:
             return None
-        return max(self.floor_s, self.step_multiple * statistics.median(self._durations))
+        median = statistics.median(self._durations) if self._durations else 0.0
+        return max(self.floor_s, self.step_multiple * median)
 
     def check(self) -> dict[str, Any] | None:
         """One look; the record handed to ``on_hang`` when the step in progress is too long

@@ -1,0 +1,112 @@
+"""The before/after experiment, each fault alone: guard observing vs guard acting.
+
+Runs ``raytrain-guard experiment`` once per row of :data:`CASES` (2 gloo workers, the built-in
+sequence model on a simulated 4 MiB card, DDP, micro-batch 8), then prints one markdown table
+with the figures docs/benchmarks.md records and the targets each row is held to. About 15
+minutes on a 2-core machine::
+
+    python benchmarks/experiment.py [--out DIR] [--only KIND ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+
+from raytrain_guard import cli
+
+#: (name, faults, steps, target): one experiment per row
+CASES = (
+    ("activation_spike", ["activation_spike:rank=1,start=30,factor=8,steps=3"], 100,
+     "observe fails every attempt; act finishes, same global batch, 0 lost steps"),
+    ("memory_growth", ["memory_growth:rank=1,start=10,per_step=16KiB"], 200,
+     "observe crashes and recomputes; act checkpoints before the OOM, 0 lost steps"),
+    ("slow_compute", ["slow_compute:rank=1,start=40,factor=3"], 100,
+     "compute named on rank 1 within 5 steps; act throughput within 2 % of observe"),
+    ("comm_delay", ["comm_delay:rank=1,start=40,seconds=0.03"], 100,
+     "communication named on rank 1 within 5 steps; act within 2 % of observe"),
+    ("slow_data", ["slow_data:rank=1,start=40,seconds=0.004"], 100,
+     "data named on rank 1 within 5 steps; act's data wait at most half of observe's"),
+    ("hang", ["hang:rank=1,start=40"], 100,
+     "act names rank 1 and its phase and ends the attempt within 30 s"),
+    ("crash", ["crash:rank=1,start=40"], 100,
+     "both arms resume at the same step; nothing lost, nothing repeated"),
+    ("none", [], 600, "nothing flagged in 600 clean steps"),
+)
+
+
+def run_case(name: str, faults: list[str], steps: int, out: str) -> dict:
+    argv = ["experiment", "--steps", str(steps), "--out", os.path.join(out, name), "--json"]
+    for f in faults:
+        argv += ["--fault", f]
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        code = cli.main(argv)
+    if code != 0:
+        raise SystemExit(f"{name}: exit {code}")
+    return json.loads(buffer.getvalue())
+
+
+def row(name: str, target: str, result: dict) -> str:
+    o, a = result["arms"]["observe"], result["arms"]["act"]
+
+    def done(arm):
+        return (f"{arm['steps']}/{arm['total_steps']}" + ("" if arm["completed"] else
+                                                          f" ({arm['error']})"))
+
+    def named(arm):
+        hits = arm.get("fault_detection") or []
+        if hits:
+            return ", ".join(f"{h['cause']} +{h['delay_steps']}" if h["named_at_step"]
+                             is not None else f"{h['cause']} not named" for h in hits)
+        hangs = [d for d in arm["detections"] if d["kind"] == "hang"]
+        if hangs:
+            return f"hang rank {hangs[0]['rank']} in {hangs[0]['phase']} after " \
+                   f"{hangs[0]['seconds_to_detect']:.0f} s"
+        return f"{len(arm['detections'])} detections"
+
+    ratio = (a["samples_per_s"] / o["samples_per_s"]) if o.get("samples_per_s") and \
+        a.get("samples_per_s") else None
+    return (f"| {name} | {done(o)} | {done(a)} | {o['attempts']} / {a['attempts']} | "
+            f"{o['lost_steps']} / {a['lost_steps']} | "
+            f"{o['samples_lost']}+{o['samples_repeated']} / "
+            f"{a['samples_lost']}+{a['samples_repeated']} | "
+            f"{_pct(o['data_wait_frac'])} / {_pct(a['data_wait_frac'])} | "
+            f"{_pct(o['peak_memory_frac'])} / {_pct(a['peak_memory_frac'])} | "
+            f"{'-' if ratio is None else f'{ratio:.3f}'} | {named(o)} / {named(a)} | "
+            f"{o['wall_s']:.0f} / {a['wall_s']:.0f} s | {target} |")
+
+
+def _pct(x):
+    return "-" if x is None else f"{x:.1%}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--only", nargs="*", default=None)
+    args = parser.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="rtg-bench-experiment-")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    print("| fault | observe steps | act steps | attempts o/a | steps again o/a | "
+          "samples lost+repeated o/a | data wait o/a | peak memory o/a | act/observe "
+          "samples/s | named o/a (steps after start) | wall o/a | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, faults, steps, target in CASES:
+        if args.only and name not in args.only:
+            continue
+        t0 = time.perf_counter()
+        result = run_case(name, faults, steps, out)
+        print(row(name, target, result), flush=True)
+        print(f"  ({name}: {time.perf_counter() - t0:.0f} s, report {result['report']})",
+              file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The experiment's seams in the shared train loop, in-process (one rank, CPU, no Ray).
+
+A simulated card, an activation spike that overflows it, and the two arms: observing, the spike
+raises ``torch.OutOfMemoryError`` inside the step; acting, the loop prices the long batch before
+its forward and runs it in pieces within the same optimizer step, so the weights come out as
+those of a run on a card big enough for the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from raytrain_guard.core.faults import parse_fault
+from raytrain_guard.runtime.faults import SimulatedDevice, lengthen
+from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+from raytrain_guard.units import MiB
+
+BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
+            "dataset_factory": "raytrain_guard.experiment.model:make_dataset",
+            "optimizer_factory": "raytrain_guard.experiment.model:make_optimizer",
+            "loss_fn": "raytrain_guard.experiment.model:loss_fn"}
+SPIKE = parse_fault("activation_spike:rank=0,start=6,factor=8,steps=2")
+
+
+def _run(tmp_path, name, *, act=True, card=4 * MiB, faults=(SPIKE,), **extra):
+    config = LoopConfig.from_dict({
+        **BUILT_IN, "micro_batch": 8, "max_steps": 10, "num_workers": 0, "seed": 3,
+        "measure_bandwidth": False, "checkpoint_every_steps": 100, "act": act,
+        "device_memory_bytes": card, "trace_dir": str(tmp_path / name / "trace"),
+        "faults": {"inject": [f.to_dict() for f in faults],
+                   "marker_dir": str(tmp_path / name)}, **extra})
+    (tmp_path / name).mkdir(exist_ok=True)
+    loop = GuardedTrainLoop(config, reporter=DirectoryReporter(str(tmp_path / name)))
+    return loop, loop.run
+
+
+def test_observing_the_spike_overflows_the_simulated_card_inside_the_step(tmp_path):
+    loop, run = _run(tmp_path, "observe", act=False)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated card of rank 0"):
+        run()
+    assert loop.step == 6                                   # the spike's first step
+    trace = [json.loads(line) for line in open(tmp_path / "observe/trace/rank0.jsonl")]
+    assert trace[-1]["t"] == "error" and trace[-1]["error"] == "OutOfMemoryError"
+    split = [d for d in trace if d.get("action") == "split_micro_batch"]
+    assert split and not split[0]["applied"]                # priced, not acted on
+
+
+def test_acting_splits_the_spike_and_trains_as_a_card_big_enough_would(tmp_path):
+    loop, run = _run(tmp_path, "act")
+    results = run()
+    assert results["step"] == 10
+    splits = [d for d in loop.decisions if d["action"] == "split_micro_batch"]
+    assert [d["applied_at"] for d in splits] == [6, 7]
+    for d in splits:
+        pieces = d["params"]["pieces"]
+        assert pieces >= 2
+        # the prediction holds: the measured peak is within 10 % of the card of it, under the
+        # watermark it was sized for
+        assert abs(d["measured"]["peak_frac"] - d["predicted"]["peak_frac"]) < 0.1
+        assert d["measured"]["peak_frac"] < 0.88
+    big, run_big = _run(tmp_path, "big", card=64 * MiB)
+    run_big()
+    assert not [d for d in big.decisions if d["action"] == "split_micro_batch"]
+    for a, b in zip(loop.planned.module.parameters(), big.planned.module.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)   # only the summation order
+
+
+def test_the_card_counts_saved_activations_and_held_memory_and_raises_past_it():
+    device = SimulatedDevice(1 * MiB)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    static = device.measure_static(model, opt)
+    assert static == 2 * (64 * 64 + 64) * 4                # parameters and gradients, fp32
+    x = torch.randn(16, 64)
+    with device.tracking():
+        model(x).relu().sum().backward()
+    # saved: x (16 x 64 fp32) for the weight gradient and the relu output (16 x 64)
+    assert device.last_activation_bytes == 2 * 16 * 64 * 4
+    assert device.take_step_peak() == static + 2 * 16 * 64 * 4
+    device.hold(512 * 1024, reason="test")
+    with pytest.raises(torch.OutOfMemoryError, match="fault memory 512.0 KiB"):
+        device.hold(512 * 1024, reason="test")
+
+
+def test_lengthen_repeats_the_sequence_dimension_only():
+    batch = {"id": torch.arange(4), "x": torch.randn(4, 5, 3), "y": torch.randn(4, 1),
+             "labels": torch.zeros(4, 5, dtype=torch.long)}
+    longer = lengthen(batch, 3)
+    assert longer["x"].shape == (4, 15, 3) and longer["labels"].shape == (4, 15)
+    assert longer["y"].shape == (4, 1) and longer["id"].shape == (4,)
+
+
+@pytest.mark.parametrize("workers, wait, rest, needed", [
+    (0, 0.035, 0.008, 6),     # a 35 ms fetch against 8 ms of work: ceil(4.4) + 1
+    (2, 0.010, 0.008, 6),     # 2 workers deliver every 18 ms: a fetch is 36 ms -> ceil(4.5) + 1
+    (4, 0.000, 0.010, 5),     # keeping up already: 4 x 10 ms / 10 ms + 1
+    (0, 0.001, 0.050, 2),     # a fast fetch still gets the least workers
+])
+def test_loader_workers_needed_keep_up_with_the_step(workers, wait, rest, needed):
+    from raytrain_guard.core.dataloader_sizing import loader_workers_needed
+    assert loader_workers_needed(workers, wait, rest) == needed

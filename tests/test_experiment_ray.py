@@ -1,0 +1,70 @@
+"""The before/after experiment end to end: ``raytrain-guard experiment`` on a local Ray cluster.
+
+One activation spike on rank 1 that overflows its simulated card. Observing only, every
+attempt fails with ``OutOfMemoryError`` and the run does not finish; acting, the guard prices
+the long batches before their forward, runs them in pieces, and finishes with the same global
+batch, every sample of the epoch once and no step computed twice. The report and its plot are
+written and read back.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("matplotlib")
+
+from raytrain_guard import cli  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+def test_observe_fails_on_every_attempt_where_act_finishes_exactly_once(tmp_path, capsys,
+                                                                        monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")       # auth is not what this tests
+    out = tmp_path / "report"
+    code = cli.main(["experiment", "--fault", "activation_spike:rank=1,start=12,factor=8,steps=2",
+                     "--steps", "100", "--max-failures", "1", "--out", str(out), "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    observe, act = result["arms"]["observe"], result["arms"]["act"]
+
+    assert not observe["completed"] and observe["attempts"] == 2
+    assert observe["error"] == "OutOfMemoryError on rank 1 at step 12"
+    assert observe["attempt_errors"] == ["OutOfMemoryError on rank 1 at step 12"] * 2
+
+    assert act["completed"] and act["attempts"] == 1 and act["error"] is None
+    assert (act["steps"], act["total_steps"]) == (100, 100)      # one epoch: 1600 / 16
+    assert act["lost_steps"] == act["samples_lost"] == act["samples_repeated"] == 0
+    assert act["global_batch"] == observe["global_batch"] == 16 and not act["batch_changes"]
+    splits = [d for d in act["decisions"] if d["action"] == "split_micro_batch"]
+    assert [(d["step"], d["ranks"]) for d in splits] == [(12, [1]), (13, [1])]
+    assert all(d["measured"]["peak_frac"] < 0.88 for d in splits)
+    assert act["peak_memory_frac"] < 0.88
+
+    report = (out / "report.md").read_text()
+    assert "| completed | **no** | yes |" in report and "activation_spike" in report
+    import matplotlib.image
+    image = matplotlib.image.imread(result["plots"][0])
+    assert image.shape[0] > 400 and image.shape[1] > 600 and image.std() > 0.01
+
+
+def test_act_ends_a_hung_attempt_within_30_s_and_resumes_from_its_checkpoint(tmp_path, capsys,
+                                                                              monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    out = tmp_path / "report"
+    code = cli.main(["experiment", "--fault", "hang:rank=1,start=40", "--arms", "act",
+                     "--steps", "60", "--out", str(out), "--json"])
+    assert code == 0
+    act = json.loads(capsys.readouterr().out)["arms"]["act"]
+    hangs = [d for d in act["detections"] if d["kind"] == "hang"]
+    assert hangs and hangs[0]["rank"] == 1 and hangs[0]["phase"] == "forward"
+    assert hangs[0]["step"] == 40 and hangs[0]["seconds_to_detect"] < 15
+    assert hangs[0]["seconds_to_restart"] < 30           # the new attempt began training
+    assert act["completed"] and act["attempts"] == 2
+    # checkpoints every 25 steps: the restarted group computes steps 25-40 again (40 began
+    # before it hung), and every sample of the epoch is consumed once by the finished lineage
+    assert act["lost_steps"] == 16
+    assert act["samples_lost"] == act["samples_repeated"] == 0
