@@ -178,15 +178,16 @@ class GuardReport:
     """Each rank's own summary (window, decisions, loader, stop), as posted at its end."""
 
     def format(self) -> str:
+        """What a person reads: the run summary (the attribution is among its detections),
+        attempts, and each rank's DataLoader settings in force."""
         lines = [self.run.format(), (f"  attempts     {self.attempts} (worker failures "
                                     f"{len(self.worker_failures)}, reports {self.num_reports})")]
-        lines += [f"    - {a['reason']}" for a in self.attribution if a.get("role") != "normal"]
-        for loader in self.loaders:
+        for rank, loader in enumerate(self.loaders):
             if loader:
-                lines.append(f"  loader       num_workers {loader['num_workers']} prefetch_factor "
-                             f"{loader['prefetch_factor']} persistent_workers "
+                lines.append(f"  loader {rank:<5} num_workers {loader['num_workers']} "
+                             f"prefetch_factor {loader['prefetch_factor']} persistent_workers "
                              f"{loader['persistent_workers']}, data wait "
-                             f"{loader.get('data_wait_frac', 0):.1%}")
+                             f"{loader.get('data_wait_frac') or 0:.1%}")
                 lines += [f"    - lowered: {w}" for w in loader.get("lowered") or ()]
         return "\n".join(lines)
 
