@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import threading
 import time
 import types
@@ -34,6 +35,7 @@ ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 NS = "rtg_test_dropin"
+RUN_NAME = "dropin_test"
 
 # The plain script, as a Ray Train user writes it (the issue's), with a toy model and data and
 # one slow rank: the environment the guard must see through.
@@ -158,14 +160,37 @@ def ray_with_dashboard():
         ray.shutdown()
 
 
+def _scrape() -> str:
+    import urllib.request
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read() \
+            .decode()
+    except OSError:
+        return ""
+
+
+def _labelled(body: str, metric: str, run_name: str) -> set[str]:
+    """The world ranks of ``metric``'s series labelled with ``run_name``."""
+    ranks = set()
+    for line in body.splitlines():
+        if line.startswith(metric + "{") and f'ray_train_run_name="{run_name}"' in line:
+            found = re.search(r'ray_train_worker_world_rank="(\d+)"', line)
+            if found:
+                ranks.add(found.group(1))
+    return ranks
+
+
 class Watcher(threading.Thread):
-    """While the run is live: lists the guard's actors through Ray's state API, and once
-    Ray Train's controller has seen a report round, asks the run to stop."""
+    """While the run is live: lists the guard's actors through Ray's state API, scrapes the
+    node's metrics endpoint until both ranks' step gauges are there, and once Ray Train's
+    controller has seen a report round, asks the run to stop."""
 
     def __init__(self, trainer, state_address: str) -> None:
         super().__init__(daemon=True)
         self.trainer = trainer
         self.state_address = state_address
+        self.metrics = ""
         self.actor_names: set[str] = set()
         self.stop_requested_at_step = None
         self.error = None
@@ -192,6 +217,10 @@ class Watcher(threading.Thread):
                         address=self.state_address, filters=[("state", "=", "ALIVE")],
                         limit=1000) if a.name}
                     continue
+                if _labelled(self.metrics, "ray_raytrain_guard_rank_step_seconds",
+                             RUN_NAME) != {"0", "1"}:
+                    self.metrics = _scrape()     # gauges are exported every ~10 s
+                    continue
                 events = ray.get(coordinator.train_events.remote(), timeout=10)
                 if any(e["kind"] == "report" for e in events):
                     status = ray.get(coordinator.status.remote(), timeout=10)
@@ -214,9 +243,9 @@ def test_converted_script_runs_guarded(ray_with_dashboard):
     tmp = _tmp()
     script.FAIL_ONCE = os.path.join(tmp, "failed_once")
     trainer = script.TorchTrainer(
-        script.train_func, train_loop_config={"epochs": 6},
+        script.train_func, train_loop_config={"epochs": 30},     # the stop ends it
         scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name="dropin_test", storage_path=tmp,
+        run_config=RunConfig(name=RUN_NAME, storage_path=tmp,
                              failure_config=FailureConfig(max_failures=1)),
         guard={"namespace": NS, "decision_interval_s": 1e9})     # no policy decisions: only ours
     watcher = Watcher(trainer, ray_with_dashboard)
@@ -249,7 +278,15 @@ def test_converted_script_runs_guarded(ray_with_dashboard):
     assert stopped[0] > watcher.stop_requested_at_step, (stopped, watcher.stop_requested_at_step)
     assert ranks[0]["step"] == ranks[1]["step"] == stopped[0]
     assert report.run.stopped_early and "the test asks" in report.run.stop_reason
-    assert report.run.steps == stopped[0] < 6 * 64
+    assert report.run.steps == stopped[0] < 30 * 64
+
+    # per-rank metrics with Ray Train's labels, the same values as Ray Train's own series
+    for metric in ("ray_raytrain_guard_rank_step_seconds", "ray_raytrain_guard_rank_phase_seconds",
+                   "ray_raytrain_guard_rank_memory_frac"):
+        assert _labelled(watcher.metrics, metric, RUN_NAME) == {"0", "1"}, metric
+    ray_own = _labelled(watcher.metrics, "ray_train_report_total_blocked_time_s", RUN_NAME)
+    assert ray_own in (set(), {"0", "1"})     # when Ray Train exported its own: they join
+    print("Ray Train's own series with the same labels:", sorted(ray_own))
 
     # the slow rank is attributed, with its reason
     roles = {a["world_rank"]: a for a in report.attribution}
