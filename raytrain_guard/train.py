@@ -247,7 +247,7 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
                                         finished=finished)
             try:
                 stop_all(options.namespace, self.run_id)
-            except Exception:
+            except Exception:  # teardown must not hide the run's own error
                 logger.warning("stopping the guard's actors failed", exc_info=True)
         result.guard = self.report
         return result

@@ -263,7 +263,7 @@ class WorkerGuard:
                 return CudaMemoryProbe(self.device, config=self.config)
             return ProcessMemoryProbe(self.config,
                                       local_world_size=max(1, self.ctx.local_world_size))
-        except Exception:
+        except Exception:  # fail open: timing rules only
             logger.warning("rank %d: no memory probe", self.rank, exc_info=True)
             return None
 
@@ -276,7 +276,7 @@ class WorkerGuard:
             return RankMetrics(self._run_name(), self.rank,
                                watermark_frac=self.config.memory_watermark_frac,
                                critical_frac=self.config.memory_critical_frac)
-        except Exception:
+        except Exception:  # fail open: no gauges
             logger.debug("no ray.util.metrics", exc_info=True)
             return None
 
@@ -337,7 +337,7 @@ class WorkerGuard:
             self.model_plan["bucket_cap_bytes"] = int(module.bucket_bytes_cap)
             try:
                 attach_comm_timer(module, self.step_guard.timer)
-            except Exception:
+            except Exception:  # fail open: no communication wait figures
                 logger.warning("rank %d: communication timer not attached (a comm hook of "
                                "your own?)", self.rank, exc_info=True)
         self._hooks.append(module.register_forward_hook(self._on_forward))
@@ -352,7 +352,7 @@ class WorkerGuard:
             try:
                 from raytrain_guard.runtime.bandwidth import measure_allreduce_curve
                 curve = measure_allreduce_curve(device=self.device)
-            except Exception:
+            except Exception:  # a collective: every rank fails alike, no curve
                 logger.warning("rank %d: allreduce curve not measured", self.rank,
                                exc_info=True)
         trainable = [p for p in model.parameters() if p.requires_grad]
