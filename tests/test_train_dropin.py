@@ -22,7 +22,8 @@ from examples import toy
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import ConfigError, InputError
 from raytrain_guard.runtime.context import WorkerContext
-from raytrain_guard.runtime.worker_guard import DropInDataLoader, WorkerGuard, lower_to_budget
+from raytrain_guard.runtime.dropin_loader import DropInDataLoader, lower_to_budget
+from raytrain_guard.runtime.worker_guard import WorkerGuard
 from raytrain_guard.units import MiB
 
 CFG = GuardConfig()
