@@ -375,6 +375,8 @@ class GuardCallback(ray.train.UserCallback):
                     "time": time.time()})
 
     def _send(self, event: dict[str, Any]) -> None:
+        if not ray.is_initialized():       # never start Ray from here (the controller has it)
+            return
         try:
             if self._handle is None:
                 from raytrain_guard.cluster.client import coordinator_name

@@ -269,3 +269,15 @@ def test_the_report_counts_attempts_from_failures_and_the_coordinator():
     assert build_report("r", {"attempt": 2}, {}, [failure, failure], 1.0, straggler_frac=0.1,
                         finished=False).attempts == 2
     assert build_report("r", {}, {}, [], 1.0, straggler_frac=0.1).attempts == 1
+
+
+def test_the_controller_callback_pickles_and_never_raises():
+    import pickle
+
+    from raytrain_guard.train import GuardCallback
+
+    callback = pickle.loads(pickle.dumps(GuardCallback("run-x", "ns")))
+    assert (callback.run_id, callback.namespace) == ("run-x", "ns")
+    # no coordinator (no Ray here): the controller must not fail because of the guard
+    callback.after_report(None, [{"loss": 1.0}], None)
+    callback.after_exception(None, {1: RuntimeError("boom")})
