@@ -623,7 +623,8 @@ def _stdout_to_stderr():
     saved = os.dup(1)
     os.dup2(2, 1)
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)

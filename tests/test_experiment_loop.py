@@ -102,3 +102,49 @@ def test_lengthen_repeats_the_sequence_dimension_only():
 def test_loader_workers_needed_keep_up_with_the_step(workers, wait, rest, needed):
     from raytrain_guard.core.dataloader_sizing import loader_workers_needed
     assert loader_workers_needed(workers, wait, rest) == needed
+
+
+@pytest.mark.parametrize("act, delay", [(True, 0.5), (False, 0.0)])
+def test_a_step_guard_that_observes_applies_no_local_decision(act, delay):
+    from raytrain_guard.config import GuardConfig
+    from raytrain_guard.core.decisions import Action, Decision
+    from raytrain_guard.runtime.step_guard import StepGuard
+
+    guard = StepGuard(GuardConfig(pacing_enabled=True), act=act)
+    guard._apply(Decision(Action.PACE, "memory above the watermark", params={"delay_s": 0.5}))
+    assert guard.pace_delay_s == delay
+
+
+def test_the_host_memory_fault_is_a_process_holding_the_ram_until_its_stop(tmp_path):
+    import time
+
+    import psutil
+
+    from raytrain_guard.runtime.faults import FaultRuntime
+
+    faults = FaultRuntime([parse_fault("host_memory:rank=0,start=2,stop=4,size=64MiB")],
+                          world_rank=0, marker_dir=str(tmp_path))
+    faults.begin_step(1)
+    assert faults._hog is None
+    faults.begin_step(2)
+    hog = psutil.Process(faults._hog.pid)
+    deadline = time.monotonic() + 20
+    while hog.memory_info().rss < 64 * MiB and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hog.memory_info().rss >= 64 * MiB
+    faults.begin_step(4)                                   # its stop: the process is gone
+    assert faults._hog is None and not psutil.pid_exists(hog.pid) or \
+        hog.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_crash_fires_once_per_run(tmp_path):
+    from raytrain_guard.runtime.faults import FaultRuntime, InjectedCrash
+
+    spec = parse_fault("crash:rank=1,start=3")
+    first = FaultRuntime([spec], world_rank=1, marker_dir=str(tmp_path))
+    with pytest.raises(InjectedCrash, match="rank 1 at step 3"):
+        first.begin_step(3)
+    again = FaultRuntime([spec], world_rank=1, marker_dir=str(tmp_path))   # the restart
+    again.begin_step(3)
+    other = FaultRuntime([spec], world_rank=0, marker_dir=str(tmp_path))
+    other.begin_step(3)

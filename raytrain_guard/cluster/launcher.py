@@ -137,7 +137,20 @@ def plan_run(train_loop_config: Mapping[str, Any], *, num_workers: int,
     CPU the "device" memory is the host RAM divided among the ranks of this machine (the
     guard's CPU budget, ``GuardConfig.cpu_memory_budget_bytes`` when set).
     """
+    return traced_plan(train_loop_config, num_workers=num_workers,
+                       device_memory_bytes=device_memory_bytes, use_gpu=use_gpu,
+                       config=config, sample_factory=sample_factory)[0]
+
+
+def traced_plan(train_loop_config: Mapping[str, Any], *, num_workers: int,
+                device_memory_bytes: int | None = None, use_gpu: bool = False,
+                config: GuardConfig | None = None, sample_factory: Any = None
+                ) -> tuple[Any, Any]:
+    """:func:`plan_run`'s plan and the :class:`~raytrain_guard.core.effects.RunPlan` the
+    coordinator prices its actions with (the same model, activations, setup and card)."""
     import os
+
+    from raytrain_guard.core.effects import RunPlan
 
     from raytrain_guard.core.memory_model import TrainingSetup
     from raytrain_guard.core.planner import plan
@@ -163,9 +176,12 @@ def plan_run(train_loop_config: Mapping[str, Any], *, num_workers: int,
     setup = TrainingSetup(strategy=loop.strategy, optimizer=optimizer, micro_batch=micro,
                           grad_accum=loop.grad_accum, world_size=num_workers,
                           foreach=bool(use_gpu))
-    return plan(model=traced.model_stats, activations=traced.activations, setup=setup,
-                device_memory_bytes=int(device_memory_bytes), host_memory_bytes=host,
-                cpus_per_node=os.cpu_count(), gpus_per_node=max(1, num_workers), config=config)
+    result = plan(model=traced.model_stats, activations=traced.activations, setup=setup,
+                  device_memory_bytes=int(device_memory_bytes), host_memory_bytes=host,
+                  cpus_per_node=os.cpu_count(), gpus_per_node=max(1, num_workers),
+                  config=config)
+    return result, RunPlan(traced.model_stats, traced.activations, result.setup,
+                           int(device_memory_bytes))
 
 
 class _FirstBatch:
@@ -261,9 +277,11 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
         raise InputError("num_workers", "must be an integer >= 1", value=num_workers,
                          fix="e.g. num_workers=2")
     config = effective_config(config, train_loop_config.get("guard"))
+    run_plan = None           # what the coordinator prices its actions with, when we plan here
     if plan is None:
-        plan = plan_run(train_loop_config, num_workers=num_workers, use_gpu=use_gpu,
-                        device_memory_bytes=device_memory_bytes, config=config)
+        plan, run_plan = traced_plan(train_loop_config, num_workers=num_workers,
+                                     use_gpu=use_gpu, device_memory_bytes=device_memory_bytes,
+                                     config=config)
     plan_line = check_plan(plan, force=force, fixes=fixes) if plan is not False else ""
     if plan_line:
         logger.info("plan: %s", plan_line)
@@ -282,6 +300,8 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
         # keep the handles: a named, non-detached actor dies with its owner's last handle
         monitors = start_monitors(namespace, run_id, config, probe_factory)
         coordinator = start_coordinator(namespace, run_id, config)
+        if run_plan is not None:
+            coordinator.set_plan.remote(run_plan.to_dict())
         logger.info("run %s: %d node monitor(s) and coordinator started in namespace %r",
                     run_id, len(monitors), namespace)
         watcher = _ProgressWatcher(coordinator, progress, progress_interval_s)

@@ -393,7 +393,7 @@ class GuardedTrainLoop:
                               if int(m.get("rank", 0)) == self.rank]
         timer = StepTimer(device=self.device, world_rank=self.rank)
         self.guard = StepGuard(cfg.guard, probe=self._probe(), timer=timer,
-                               world_rank=self.rank, fault_injector=self.faults)
+                               world_rank=self.rank, fault_injector=self.faults, act=cfg.act)
         # the loader opens the steps and times their data phase (see _train); not with faults
         self.guard.attach_loader(self.loader)
         if self.planned.kind == "ddp":
@@ -953,10 +953,29 @@ class GuardedTrainLoop:
         self.steps_per_epoch = steps_per_epoch
 
     def setup(self) -> dict[str, Any]:
-        """The batch layout this rank runs with now (what the coordinator's policy reads)."""
+        """The batch layout and memory this rank runs with now (what the coordinator's policy
+        prices its actions with: :mod:`raytrain_guard.core.effects`). Read when the client
+        reports, not per step; the CUDA counters are the allocator's, no synchronization."""
+        import torch
+
         prefetch = self.loader.plan.prefetch_factor
-        return {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
-                "prefetch_factor": prefetch if prefetch and prefetch > 0 else None}
+        plan = self.loader.plan
+        setup = {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                 "prefetch_factor": prefetch if prefetch and prefetch > 0 else None,
+                 "device": self.device.type, "num_workers": plan.num_workers,
+                 "batch_bytes": self.loader.probe_batch_bytes}
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else \
+                torch.cuda.current_device()
+            setup.update(device_index=index,
+                         allocated_bytes=torch.cuda.memory_allocated(index),
+                         reserved_bytes=torch.cuda.memory_reserved(index),
+                         device_total_bytes=torch.cuda.get_device_properties(index).total_memory)
+        elif self.sim_device is not None:   # a simulated card: no cache, nothing to release
+            used = self.sim_device.base_bytes
+            setup.update(device="cpu", allocated_bytes=used, reserved_bytes=used,
+                         device_total_bytes=self.sim_device.capacity_bytes)
+        return setup
 
     def _record(self, step: int, decision: Decision, *, applied: bool = True) -> None:
         """Keep ``decision`` for the results; ``applied`` False: seen at ``step`` but meant for
