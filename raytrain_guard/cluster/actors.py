@@ -173,8 +173,8 @@ class _CoordinatorActor(Coordinator):
         """A ``checkpoint_and_stop`` for every rank, applied at the next agreement step."""
         from raytrain_guard.core.decisions import Action, Cause, Decision
         self._next_id += 1
-        decision = Decision(Action.CHECKPOINT_AND_STOP, f"stop requested: {reason}", None,
-                            Cause.UNKNOWN, "cluster", {}, self._next_id)
+        decision = Decision(Action.CHECKPOINT_AND_STOP, f"stop requested: {reason}",
+                            cause=Cause.UNKNOWN, scope="cluster", decision_id=self._next_id)
         self._decisions.append(decision)
         logger.warning("[run %s] decision #%d %s", self.run_id, decision.decision_id, decision)
         if self._metrics is not None:
