@@ -281,3 +281,19 @@ def test_the_controller_callback_pickles_and_never_raises():
     # no coordinator (no Ray here): the controller must not fail because of the guard
     callback.after_report(None, [{"loss": 1.0}], None)
     callback.after_exception(None, {1: RuntimeError("boom")})
+
+
+def test_the_coordinator_actor_takes_stops_summaries_and_controller_events():
+    from raytrain_guard.cluster.actors import _CoordinatorActor
+    from raytrain_guard.core.decisions import Action, Decision
+
+    coordinator = _CoordinatorActor("run-x", CFG, 0, "my_run")
+    stop = Decision.from_dict(coordinator.request_stop("operator asks"))
+    assert (stop.action, stop.scope, stop.step) == (Action.CHECKPOINT_AND_STOP, "cluster", None)
+    assert [d["decision_id"] for d in coordinator.decisions_since(0)] == [stop.decision_id]
+    coordinator.report_summary(1, {"step": 7})
+    coordinator.report_summary(1, {"step": 9})          # the latest per rank
+    assert coordinator.summaries() == {1: {"step": 9}}
+    for _ in range(1005):
+        coordinator.record_train_event({"kind": "report"})
+    assert len(coordinator.train_events()) == 1000      # bounded
