@@ -47,7 +47,10 @@ class RecordingGauges:
         self.steps: list[int] = []
 
     def record(self, stats) -> None:
-        self.steps.append(stats.step)
+        self.steps.extend(s.step for s in stats)
+
+    def record_decision(self, decision) -> None:
+        pass
 
 
 class ObservedLoop(GuardedTrainLoop):

@@ -299,7 +299,8 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     try:
         # keep the handles: a named, non-detached actor dies with its owner's last handle
         monitors = start_monitors(namespace, run_id, config, probe_factory)
-        coordinator = start_coordinator(namespace, run_id, config)
+        coordinator = start_coordinator(namespace, run_id, config,
+                                         run_name=f"raytrain_guard_{run_id}")
         if run_plan is not None:
             coordinator.set_plan.remote(run_plan.to_dict())
         logger.info("run %s: %d node monitor(s) and coordinator started in namespace %r",

@@ -110,8 +110,9 @@ def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any
         "faults": {"inject": [f.to_dict() for f in setup.faults],
                    "marker_dir": os.path.join(arm_dir, "markers")},
         "guard": dict(setup.guard)}
-    if setup.max_steps is not None:
+    if setup.max_steps is not None:       # that many steps, over as many epochs as it takes
         config["max_steps"] = setup.max_steps
+        config["epochs"] = setup.max_steps
     return config
 
 

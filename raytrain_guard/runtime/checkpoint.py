@@ -60,10 +60,12 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 def gather_train_state(planned: Any, optimizer: Any, *, step: int,
                        loader_state: Mapping[str, Any], guard_state: Mapping[str, Any] | None,
-                       extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+                       extra: Mapping[str, Any] | None = None,
+                       loss: float | None = None) -> dict[str, Any] | None:
     """Collect the run's state on rank 0 (a collective: every rank must call it).
 
-    Returns the state on rank 0 and ``None`` on the other ranks.
+    Returns the state on rank 0 (with every rank's ``loss`` in ``losses``, gathered with the
+    RNG states: no collective of its own) and ``None`` on the other ranks.
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions,
@@ -80,7 +82,7 @@ def gather_train_state(planned: Any, optimizer: Any, *, step: int,
         optim_state = optimizer.state_dict() if rank == 0 else None
     else:
         optim_state = get_optimizer_state_dict(planned.module, optimizer, options=options)
-    per_rank = {"rng": rng_state(), "guard": dict(guard_state or {})}
+    per_rank = {"rng": rng_state(), "guard": dict(guard_state or {}), "loss": loss}
     if distributed:
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, per_rank)
@@ -91,7 +93,8 @@ def gather_train_state(planned: Any, optimizer: Any, *, step: int,
     return {"format_version": FORMAT_VERSION, "step": int(step), "world_size": world_size,
             "strategy": planned.strategy.value, "model": model_state, "optimizer": optim_state,
             "loader": dict(loader_state), "rng": [g["rng"] for g in gathered],
-            "guard": [g["guard"] for g in gathered], "extra": dict(extra or {})}
+            "guard": [g["guard"] for g in gathered], "losses": [g["loss"] for g in gathered],
+            "extra": dict(extra or {})}
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -28,6 +28,13 @@ from raytrain_guard.core.memory_model import Strategy
 from raytrain_guard.errors import InputError
 
 logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 #: How the module ended up wrapped.
 KIND_DDP = "ddp"
@@ -89,16 +96,24 @@ class PlannedModel:
 
         ``bucket_cap_bytes`` is ``DistributedDataParallel.bucket_bytes_cap``; ``bucket_sizes``
         the bytes of each bucket as last built (after the first iteration DDP rebuilds them in
-        the order gradients became ready).
+        the order gradients became ready). The sizes come from DDP's logging data, which torch
+        exposes only privately: without it (another torch) they are left out, warned once.
         """
         if self.kind != KIND_DDP:
             return {}
-        data = self.module._get_ddp_logging_data()
+        layout: dict[str, Any] = {
+            "bucket_cap_bytes": int(self.module.bucket_bytes_cap),
+            "gradient_as_bucket_view": bool(getattr(self.module, "gradient_as_bucket_view",
+                                                    self.gradient_as_bucket_view))}
+        logging_data = getattr(self.module, "_get_ddp_logging_data", None)
+        if logging_data is None:
+            _warn_once("DistributedDataParallel has no _get_ddp_logging_data in this torch: "
+                       "the bucket layout holds the cap only")
+            return layout
+        data = logging_data()
         sizes_text = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
         sizes = [int(s) for s in sizes_text.replace(" ", "").split(",") if s]
-        return {"bucket_cap_bytes": int(self.module.bucket_bytes_cap),
-                "bucket_sizes": sizes, "num_buckets": len(sizes),
-                "gradient_as_bucket_view": bool(data.get("gradient_as_bucket_view", 0)),
+        return {**layout, "bucket_sizes": sizes, "num_buckets": len(sizes),
                 "has_rebuilt_buckets": bool(data.get("has_rebuilt_buckets", 0))}
 
     def describe(self) -> dict[str, Any]:
@@ -109,12 +124,16 @@ class PlannedModel:
 
 def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,
                bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
-               device: Any = None, use_ray: bool | None = None) -> PlannedModel:
+               device: Any = None, use_ray: bool | None = None,
+               precision: str = "fp32") -> PlannedModel:
     """Wrap ``model`` for data-parallel training as planned.
 
     ``use_ray``: go through ``ray.train.torch.prepare_model`` (default: when running inside a
     Ray Train worker). Outside Ray the process group must already be initialized (or the world
-    size is 1, and the module is only moved to ``device``).
+    size is 1, and the module is only moved to ``device``). ``precision`` (the planner's):
+    under FSDP2 ``bf16-master`` is ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)`` over fp32 shards and ``bf16`` is bf16 throughout; ``fp32`` and
+    ``amp-bf16`` (the loop's autocast) leave the module's dtypes alone.
     """
     import torch
     import torch.distributed as dist
@@ -139,7 +158,7 @@ def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,
                             gradient_as_bucket_view, {"world_size": 1})
 
     if strategy in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP):
-        return _wrap_fsdp2(model, strategy, device, use_ray, world_size)
+        return _wrap_fsdp2(model, strategy, device, use_ray, world_size, precision)
 
     kwargs: dict[str, Any] = {"gradient_as_bucket_view": bool(gradient_as_bucket_view)}
     if bucket_cap_mb is not None:
@@ -162,9 +181,10 @@ def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,
 
 
 def _wrap_fsdp2(model: Any, strategy: Strategy, device: Any, use_ray: bool,
-                world_size: int) -> PlannedModel:
+                world_size: int, precision: str = "fp32") -> PlannedModel:
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if use_ray:
         from ray.train.torch import prepare_model
@@ -173,10 +193,17 @@ def _wrap_fsdp2(model: Any, strategy: Strategy, device: Any, use_ray: bool,
         model = model.to(device)
     mesh = init_device_mesh(device.type, (world_size,))
     reshard = strategy == Strategy.FSDP_FULL
+    policy = {"bf16-master": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                  reduce_dtype=torch.float32),
+              "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                           reduce_dtype=torch.bfloat16)}.get(precision)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)       # shards, gradients and optimizer state in bf16
+    extra = {"mp_policy": policy} if policy is not None else {}
     units = wrap_units(model)
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **extra)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **extra)
     logger.info("sharded model with FSDP2 (%s): %d units + root, reshard_after_forward=%s",
                 strategy.value, len(units), reshard)
     return PlannedModel(model, model, strategy, KIND_FSDP2, None, False,

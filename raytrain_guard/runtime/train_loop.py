@@ -110,6 +110,12 @@ class LoopConfig:
     audit_dir: str | None = None                 # per-rank consumed sample ids (JSON lines)
     sample_id_key: str = "id"
     faults: Mapping[str, Any] = field(default_factory=dict)
+    scheduler_factory: Callable[[Any], Any] | None = None  # (optimizer) -> LR scheduler
+    max_grad_norm: float | None = None           # clip the global gradient norm to this
+    precision: str = "fp32"                      # the planner's: fp32, amp-bf16, bf16-master, bf16
+    epoch_tail: str = "short_step"               # an epoch's leftover micro-batches: a shorter
+                                                 # last step ("short_step") or none ("drop")
+    allow_global_batch_change: bool = False      # a resume at another world size may change it
     act: bool = True                             # False: measure and decide, apply nothing
     restart_after_stop: bool = False             # a guard stop checkpoints, then restarts
     device_memory_bytes: int | None = None       # a simulated card of this size on CPU
@@ -159,6 +165,25 @@ class LoopConfig:
         if not isinstance(values.get("faults", {}), Mapping):
             raise InputError("faults", "must be a dict", value=values["faults"],
                              fix="e.g. {'delay': [{'seconds': 0.05, 'ranks': [1]}]}")
+        if values.get("scheduler_factory") is not None:
+            values["scheduler_factory"] = load_object(values["scheduler_factory"],
+                                                      field_name="scheduler_factory")
+        if values.get("max_grad_norm") is not None and not float(values["max_grad_norm"]) > 0:
+            raise InputError("max_grad_norm", "must be > 0", value=values["max_grad_norm"],
+                             fix="e.g. 1.0, or leave it out for no clipping")
+        precisions = ("fp32", "amp-bf16", "bf16-master", "bf16")
+        if values.get("precision", "fp32") not in precisions:
+            raise InputError("precision", "unknown precision", value=values["precision"],
+                             fix="use one of " + ", ".join(precisions))
+        if values.get("precision") in ("bf16-master", "bf16") and \
+                parse_strategy(values.get("strategy", "ddp")) not in (Strategy.FSDP_FULL,
+                                                                      Strategy.FSDP_GRAD_OP):
+            raise InputError("precision", "bf16-master and bf16 are FSDP2 mixed-precision "
+                             "policies", value=values["precision"],
+                             fix="use amp-bf16 (autocast) under ddp or zero1, or an fsdp strategy")
+        if values.get("epoch_tail", "short_step") not in ("short_step", "drop"):
+            raise InputError("epoch_tail", "unknown", value=values["epoch_tail"],
+                             fix="use 'short_step' (train the leftover micro-batches) or 'drop'")
         if values.get("device_memory_bytes") is not None:
             values["device_memory_bytes"] = _as_int("device_memory_bytes",
                                                     values["device_memory_bytes"], 1)
@@ -276,6 +301,9 @@ class GuardedTrainLoop:
         self.watchdog: Any = None
         self._trace: Any = None
         self.attempt = f"{os.getpid()}-{time.time_ns() % 10**12}"
+        self._grad_norm: Any = None               # the last step's norm before clipping
+        self.scheduler: Any = None
+        self._autocast = False
         self._act_per_elem: float | None = None   # activation bytes per batch element, learned
         self._batch_elements: deque[int] = deque(maxlen=64)   # sizes of the batches seen
         self._split_pending: list[dict[str, Any]] = []   # splits of this step, measured at its end
@@ -302,7 +330,7 @@ class GuardedTrainLoop:
         if not any(p.requires_grad for p in model.parameters()):
             raise InputError("model_factory", "returned a model without trainable parameters",
                              value=type(model).__name__, fix="leave some parameters trainable")
-        self.steps_per_epoch = len(self.loader) // cfg.grad_accum
+        self.steps_per_epoch = self._steps_per_epoch(self.loader, self.grad_accum)
         if self.steps_per_epoch == 0:
             raise InputError("grad_accum", f"exceeds the {len(self.loader)} micro-batches of "
                              f"an epoch on each rank", value=cfg.grad_accum,
@@ -339,6 +367,13 @@ class GuardedTrainLoop:
                 specs, world_rank=self.rank, marker_dir=cfg.faults.get("marker_dir"),
                 device=self.sim_device, torch_device=device)
 
+    def _steps_per_epoch(self, loader: Any, grad_accum: int) -> int:
+        """Steps of an epoch: its micro-batches in steps of ``grad_accum``; the leftover ones
+        make a shorter last step (``epoch_tail="short_step"``) or are dropped."""
+        if self.config.epoch_tail == "drop":
+            return len(loader) // grad_accum
+        return -(-len(loader) // grad_accum)
+
     def _make_loader(self, dataset: Any, micro_batch: int, num_workers: int | None = None) -> Any:
         from raytrain_guard.runtime.loader import GuardedDataLoader
 
@@ -371,7 +406,7 @@ class GuardedTrainLoop:
                         if cfg.bucket_cap_mb is not None else "")
         self.planned = wrap_model(model, strategy=cfg.strategy, bucket_cap_mb=cap,
                                   gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                                  device=self.device)
+                                  device=self.device, precision=cfg.precision)
         optimizer = _call_factory("optimizer_factory", cfg.optimizer_factory,
                                   self.planned.module.parameters())
         import torch
@@ -379,6 +414,9 @@ class GuardedTrainLoop:
             raise InputError("optimizer_factory", "did not return a torch.optim.Optimizer",
                              value=type(optimizer).__name__, fix="return e.g. AdamW(params)")
         self.optimizer = wrap_optimizer(self.planned, optimizer)
+        self.scheduler = (_call_factory("scheduler_factory", cfg.scheduler_factory, optimizer)
+                          if cfg.scheduler_factory is not None else None)
+        self._autocast = cfg.precision == "amp-bf16"
         if self.sim_device is not None:
             self.sim_device.measure_static(self.planned.module, self.optimizer)
 
@@ -403,7 +441,7 @@ class GuardedTrainLoop:
             except Exception:  # noqa: BLE001 - fail open: no communication wait figures
                 logger.warning("rank %d: communication timer not attached", self.rank,
                                exc_info=True)
-        self.metrics = _StepMetrics(self.rank)
+        self.metrics = _rank_metrics(self.rank, cfg.guard, self.loader)
 
     def _probe(self) -> Any:
         from raytrain_guard.runtime.faults import SimulatedDeviceProbe
@@ -429,8 +467,12 @@ class GuardedTrainLoop:
             # rank 0 reads the file, the other ranks receive model, optimizer and the rest
             state = load_train_state(directory, self.planned, self.optimizer,
                                      world_rank=self.rank)
-        self._resume_batch_layout(state.get("extra", {}).get("batch"))
+        extra = state.get("extra", {})
+        self._resume_batch_layout(extra.get("batch"), int(state.get("world_size",
+                                                                     self.world_size)))
         self.loader.load_state_dict(state["loader"])
+        if self.scheduler is not None and extra.get("scheduler") is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
         guards = state.get("guard") or []
         if self.rank < len(guards) and guards[self.rank]:
             try:
@@ -442,12 +484,21 @@ class GuardedTrainLoop:
         logger.info("rank %d: resumed at step %d, loader %s", self.rank, self.step,
                     self.loader.state_dict())
 
-    def _resume_batch_layout(self, saved: Mapping[str, Any] | None) -> None:
+    def _resume_batch_layout(self, saved: Mapping[str, Any] | None, saved_world: int) -> None:
         """Continue with the checkpoint's micro_batch/grad_accum (a shrink before the restart)
-        when they keep this config's global batch; otherwise keep the config's, with a warning."""
+        when they keep this config's global batch; otherwise keep the config's, with a warning.
+        On another world size (a restore with another ScalingConfig, an elastic resize) the
+        checkpoint's global batch is kept: micro-batch and accumulation are laid out again
+        (:func:`relayout`), or the resume is refused unless ``allow_global_batch_change``."""
+        if saved:
+            self.batch_changes = [dict(c) for c in saved.get("changes", ())]
+        if saved_world != self.world_size:
+            mb, ga = ((int(saved["micro_batch"]), int(saved["grad_accum"])) if saved
+                      else (self.micro_batch, self.grad_accum))
+            self._resume_on_other_world(mb, ga, saved_world)
+            return
         if not saved:
             return
-        self.batch_changes = [dict(c) for c in saved.get("changes", ())]
         mb, ga = int(saved["micro_batch"]), int(saved["grad_accum"])
         if (mb, ga) == (self.micro_batch, self.grad_accum):
             return
@@ -459,6 +510,39 @@ class GuardedTrainLoop:
         logger.info("rank %d: resuming with the checkpoint's micro_batch %d and grad_accum %d "
                     "(config: %d and %d)", self.rank, mb, ga, self.micro_batch, self.grad_accum)
         self._rebatch(mb, ga)
+
+    def _resume_on_other_world(self, mb: int, ga: int, saved_world: int) -> None:
+        global_batch = mb * ga * saved_world
+        layout = relayout(global_batch, self.world_size, mb)
+        changed = layout is None
+        if changed:
+            if not self.config.allow_global_batch_change:
+                raise InputError(
+                    "world_size", f"resumed on {self.world_size} workers, but the checkpoint's "
+                    f"global batch {global_batch} (micro_batch {mb} x grad_accum {ga} x "
+                    f"{saved_world} workers) is no multiple of {self.world_size}",
+                    value=self.world_size, fix="resume on a number of workers that divides "
+                    "it, or set allow_global_batch_change=True to accept another global batch")
+            layout = (mb, max(1, round(global_batch / (mb * self.world_size))))
+        new_mb, new_ga = layout
+        entry = {"step": None, "kind": "world_size", "from_world_size": saved_world,
+                 "world_size": self.world_size, "from_micro_batch": mb, "from_grad_accum": ga,
+                 "micro_batch": new_mb, "grad_accum": new_ga, "applied": True,
+                 "global_batch": new_mb * new_ga * self.world_size,
+                 "reason": f"resumed on {self.world_size} workers (checkpoint: {saved_world}): "
+                           f"micro_batch {new_mb} x grad_accum {new_ga} "
+                           + ("changes the global batch from "
+                              f"{global_batch} to {new_mb * new_ga * self.world_size} "
+                              "(allow_global_batch_change)" if changed
+                              else f"keeps the global batch {global_batch}")}
+        (logger.warning if changed else logger.info)("rank %d: %s", self.rank, entry["reason"])
+        self.batch_changes.append(entry)
+        if (new_mb, new_ga) != (self.micro_batch, self.grad_accum):
+            self._rebatch(new_mb, new_ga)
+        self.steps_per_epoch = self._steps_per_epoch(self.loader, new_ga)
+        self.total_steps = self.steps_per_epoch * self.config.epochs
+        if self.config.max_steps is not None:
+            self.total_steps = min(self.total_steps, self.config.max_steps)
 
     # -- run -------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -569,9 +653,9 @@ class GuardedTrainLoop:
                 self._fill_memory(step)
             if not guard.loader_attached:      # else the loader opens the step (attach_loader)
                 guard.begin_step(step)
-            grad_accum = self.grad_accum       # changes only at a step boundary (a shrink)
-            step_loss = None                   # the step's loss: mean of its micro-batches'
-            for micro in range(grad_accum):
+            weights = self._step_weights(micro_batches)   # per micro-batch: its share
+            step_loss = None                   # the step's loss: mean over its samples
+            for micro, weight in enumerate(weights):
                 batch = next(micro_batches)
                 if not guard.loader_attached:  # else the loader marked it
                     guard.mark("data")
@@ -581,11 +665,15 @@ class GuardedTrainLoop:
                     batch = faults.transform(batch)
                 if self._audit is not None:
                     self._log_ids(step, batch)
-                loss = self._micro_step(batch, grad_accum, micro == grad_accum - 1)
+                loss = self._micro_step(batch, weight, micro == len(weights) - 1)
                 step_loss = loss if step_loss is None else step_loss + loss
             if watchdog is not None:
                 watchdog.enter("optimizer")
+            if cfg.max_grad_norm is not None:
+                self._grad_norm = _clip_grad_norm(self.planned.module, cfg.max_grad_norm)
             self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             # no optimizer mark: from the last backward mark to end_step is the optimizer's
             self._last_loss = step_loss
@@ -597,15 +685,15 @@ class GuardedTrainLoop:
                 watchdog.end()
             new_stats = (guard.drain_stats() if self._stats_due(self.step, decisions)
                          else [])
-            for stats in new_stats:
-                self.metrics.record(stats)
+            if new_stats:
+                self.metrics.record(new_stats)
             if self._trace is not None:
                 self._trace_steps(new_stats)
             if self._boundary(self.step, decisions, new_stats):
                 break
         left = guard.drain_stats()          # a stop the source decided at another step
-        for stats in left:
-            self.metrics.record(stats)
+        if left:
+            self.metrics.record(left)
         if self._trace is not None:
             self._trace_steps(left)
         finish = getattr(cfg.decision_source, "finish", None)
@@ -616,23 +704,46 @@ class GuardedTrainLoop:
                 logger.warning("rank %d: decision source finish failed", self.rank,
                                exc_info=True)
 
-    def _micro_step(self, batch: Any, grad_accum: int, last: bool) -> Any:
-        """Forward and backward of one micro-batch; its loss / ``grad_accum``, detached. On a
-        simulated card an oversized batch runs in pieces (:meth:`_pieces`), each weighted by its
-        samples, so the gradient and the global batch are those of the whole micro-batch."""
+    def _step_weights(self, micro_batches: Iterator[Any]) -> list[float]:
+        """Each micro-batch's share of this step's samples, so that the step's loss (and
+        gradient) is the mean over its samples: ``grad_accum`` micro-batches, fewer at an
+        epoch's end (``epoch_tail="short_step"``; with ``"drop"`` the leftover ones are read
+        and skipped). Sizes follow from the epoch's position: every rank holds
+        ``ceil(N / world_size)`` samples an epoch (the sampler pads), in micro-batches of
+        ``micro_batch``, the last one shorter."""
+        loader, mb = self.loader, self.micro_batch
+        per_epoch = len(loader)
+        position = loader.batches_consumed % per_epoch if per_epoch else 0
+        left = per_epoch - position
+        if left < self.grad_accum and self.config.epoch_tail == "drop":
+            for _ in range(left):
+                next(micro_batches)
+            position, left = 0, per_epoch
+        per_rank = -(-loader.num_samples // self.world_size)
+        sizes = [max(0, min(mb, per_rank - (position + j) * mb))
+                 for j in range(min(self.grad_accum, left))]
+        total = sum(sizes) or 1
+        return [size / total for size in sizes]
+
+    def _micro_step(self, batch: Any, weight: float, last: bool) -> Any:
+        """Forward and backward of one micro-batch; its loss x ``weight`` (its share of the
+        step's samples), detached. On a simulated card an oversized batch runs in pieces
+        (:meth:`_pieces`), each weighted by its samples, so the gradient and the global batch
+        are those of the whole micro-batch."""
         guard, faults, sim = self.guard, self.fault_runtime, self.sim_device
         pieces = self._pieces(batch) if sim is not None else ((batch, 1.0),)
         total = None
-        for i, (piece, weight) in enumerate(pieces):
+        for i, (piece, share) in enumerate(pieces):
             started = time.perf_counter() if faults is not None else 0.0
             with self.planned.grad_sync(last and i == len(pieces) - 1), \
                     (sim.tracking() if sim is not None else contextlib.nullcontext()):
-                loss = self.config.loss_fn(self.planned.module, piece)
+                with self._forward_precision():
+                    loss = self.config.loss_fn(self.planned.module, piece)
                 _check_loss(loss, self.step)
                 guard.mark("forward")
                 if self.watchdog is not None:
                     self.watchdog.enter("backward")
-                scaled = loss * (weight / grad_accum) if weight != 1.0 else loss / grad_accum
+                scaled = loss * (weight * share)
                 scaled.backward()
                 if faults is not None:
                     faults.after_backward(time.perf_counter() - started)
@@ -641,6 +752,14 @@ class GuardedTrainLoop:
                 self._learn_activations(piece)
             total = scaled.detach() if total is None else total + scaled.detach()
         return total
+
+    def _forward_precision(self) -> Any:
+        """Autocast to bf16 under ``precision="amp-bf16"``; nothing otherwise (FSDP2's
+        mixed-precision policies cast inside the wrapped model)."""
+        if not self._autocast:
+            return contextlib.nullcontext()
+        import torch
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def _learn_activations(self, batch: Any) -> None:
         """Activation bytes per batch element, the largest seen: what prices the next batch."""
@@ -840,6 +959,7 @@ class GuardedTrainLoop:
         self.loader = new
         if self.guard.loader_attached:
             self.guard.attach_loader(new)
+        self.metrics.record_loader(new.plan.num_workers, new.plan.prefetch_factor)
         entry = {"action": "add_loader_workers", "step": step, "applied_at": step,
                  "scope": "rank", "cause": "data", "world_rank": self.rank, "decision_id": 0,
                  "applied": True, "params": {"num_workers": new_workers,
@@ -944,7 +1064,7 @@ class GuardedTrainLoop:
         if self.guard.loader_attached:     # the same timer, stamped by the new loader
             self.guard.attach_loader(new)
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
-        steps_per_epoch = len(new) // grad_accum
+        steps_per_epoch = self._steps_per_epoch(new, grad_accum)
         if steps_per_epoch != self.steps_per_epoch:
             logger.warning("rank %d: %d steps per epoch with micro_batch %d x grad_accum %d "
                            "(was %d: the epoch's last partial micro-batch splits differently); "
@@ -983,6 +1103,8 @@ class GuardedTrainLoop:
         entry = decision.to_dict()
         entry.update(applied_at=step, world_rank=self.rank, applied=applied)
         self.decisions.append(entry)
+        if applied:
+            self.metrics.record_decision(decision)
         if self._trace is not None:
             self._trace_event("decision", **entry)
 
@@ -1005,9 +1127,22 @@ class GuardedTrainLoop:
             self.planned, self.optimizer, step=self.step, loader_state=self.loader.state_dict(),
             guard_state=self.guard.state_dict(),
             extra={"batch": {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
-                             "changes": self.batch_changes}})
-        loss = float(self._last_loss) if self._last_loss is not None else None
+                             "changes": self.batch_changes},
+                   "scheduler": self.scheduler.state_dict() if self.scheduler is not None
+                   else None},
+            loss=float(self._last_loss) if self._last_loss is not None else None)
+        # rank 0 reports the mean over ranks (it rode on the checkpoint's gather); the others
+        # their own
+        losses = [x for x in (state or {}).get("losses", ()) if x is not None]
+        loss = (sum(losses) / len(losses) if losses else
+                float(self._last_loss) if self._last_loss is not None else None)
         report = {"step": self.step, "loss": loss, **metrics}
+        if self._grad_norm is not None:
+            report["grad_norm"] = float(self._grad_norm.full_tensor()
+                                        if hasattr(self._grad_norm, "full_tensor")
+                                        else self._grad_norm)
+        if self.scheduler is not None:
+            report["lr"] = float(self.scheduler.get_last_lr()[0])
         with tempfile.TemporaryDirectory(prefix="rtg-ckpt-") as tmp:
             directory = None
             if state is not None:
@@ -1084,6 +1219,25 @@ class RestartRequested(GuardError):
     written, and Ray's FailureConfig restarts the group from it in fresh processes."""
 
 
+def relayout(global_batch: int, world_size: int, micro_batch: int) -> tuple[int, int] | None:
+    """``(micro_batch, grad_accum)`` that keep ``global_batch`` on ``world_size`` ranks: the
+    largest micro-batch up to ``micro_batch`` (the one the plan fits) that divides a rank's
+    share; None when the ranks cannot share it evenly (pure)."""
+    if global_batch % world_size:
+        return None
+    per_rank = global_batch // world_size
+    mb = max(d for d in range(1, min(micro_batch, per_rank) + 1) if per_rank % d == 0)
+    return mb, per_rank // mb
+
+
+def _clip_grad_norm(module: Any, max_norm: float) -> Any:
+    """Clip the global gradient norm (every rank alike: DDP and ZeRO-1 hold the all-reduced
+    gradients, FSDP2's DTensor gradients are reduced across their shards by torch)."""
+    import torch
+    params = [p for p in module.parameters() if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
 def _batch_elements(batch: Any) -> int:
     from raytrain_guard.runtime.batches import iter_tensors
     return sum(t.numel() for t in iter_tensors(batch))
@@ -1091,29 +1245,37 @@ def _batch_elements(batch: Any) -> int:
 
 # -- helpers -------------------------------------------------------------------------------------
 
-class _StepMetrics:
-    """Per-step gauges (``ray.util.metrics``, about 2-4 us a call); no-ops outside Ray."""
+class _NoMetrics:
+    """Outside Ray, or where Ray's metrics fail: the loop records nowhere."""
 
-    def __init__(self, world_rank: int) -> None:
-        self.tags = {"world_rank": str(world_rank)}
-        self.gauges: dict[str, Any] = {}
-        try:
-            import ray
-            from ray.util.metrics import Gauge
-            if not ray.is_initialized():
-                return
-            for name in ("total_s", "data_wait_s", "comm_wait_s", "compute_s", "memory_frac"):
-                self.gauges[name] = Gauge(f"raytrain_guard_step_{name}",
-                                          f"per-step {name} of a training rank",
-                                          tag_keys=("world_rank",))
-        except Exception:  # noqa: BLE001 - fail open: no metrics
-            logger.debug("no ray.util.metrics", exc_info=True)
+    def record(self, stats: Any) -> int:
+        return 0
 
-    def record(self, stats: StepStats) -> None:
-        for name, gauge in self.gauges.items():
-            value = getattr(stats, name)
-            if value is not None:
-                gauge.set(float(value), tags=self.tags)
+    def record_decision(self, decision: Any) -> None:
+        pass
+
+    def record_loader(self, num_workers: int, prefetch_factor: int) -> None:
+        pass
+
+
+def _rank_metrics(world_rank: int, guard: GuardConfig, loader: Any) -> Any:
+    """The rank's gauges (:class:`~raytrain_guard.cluster.metrics.RankMetrics`, labelled with
+    Ray Train's run name and world rank, so Grafana joins them with Ray's train panels)."""
+    try:
+        import ray
+        if not ray.is_initialized():
+            return _NoMetrics()
+        import ray.train
+
+        from raytrain_guard.cluster.metrics import RankMetrics
+        metrics = RankMetrics(ray.train.get_context().get_experiment_name(), world_rank,
+                              watermark_frac=guard.memory_watermark_frac,
+                              critical_frac=guard.memory_critical_frac)
+        metrics.record_loader(loader.plan.num_workers, loader.plan.prefetch_factor)
+        return metrics
+    except Exception:  # noqa: BLE001 - fail open: no metrics
+        logger.debug("no ray.util.metrics", exc_info=True)
+        return _NoMetrics()
 
 
 def _control_plane(world_size: int) -> Any:
