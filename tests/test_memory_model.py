@@ -14,8 +14,10 @@ For a non-traced profile G_bw is the first unit's unsharded gradients (DDP/zero1
 unit, 400 x grad bytes; FSDP: the largest trainable unit, also 400 for M).
 FSDP comm, U = largest unit (400), R = largest trainable unit (unknown for M: U, capped at the
 trainable count): fsdp-full comm_bw = 2 U (all-gather: computed + prefetched), comm_late =
-2 U + 2 R (reduce-scatter buffers exist only late in backward); fsdp-grad-op comm_bw = all
-params unsharded + U (the all-gather buffer while gathering), comm_late = all params + 2 R.
+U + 2 R (reduce-scatter buffers exist only late in backward, when the unit reducing has been
+resharded: only the prefetched unit is gathered); fsdp-grad-op: all params unsharded, booked
+under P in both backward phases, comm_bw = U (the all-gather buffer while gathering),
+comm_late = 2 R.
 """
 
 from __future__ import annotations
@@ -23,8 +25,18 @@ from __future__ import annotations
 import pytest
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.memory_model import (MemoryEstimate, OptimizerKind, Precision, Strategy,
-                                              TrainingSetup, estimate, zero1_rank_numel)
+from raytrain_guard.core.memory_model import (
+    GradSync,
+    MemoryEstimate,
+    OptimizerKind,
+    Precision,
+    Strategy,
+    TrainingSetup,
+    comm_bytes_per_step,
+    default_fsdp_unit_params,
+    estimate,
+    zero1_rank_numel,
+)
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.errors import PlanInputError
 
@@ -83,14 +95,15 @@ STRATEGIES = [
                        "optimizer": 4000 + 3200 + 4000 + 1600 + 4000,
                        "rebuild": 4000 + 3200 + 8000}),
     # fsdp, fp32: P 250*4 = 1000, G 1000, O 250*8 = 2000, T 250*4 = 1000, G_bw 400*4 = 1600
-    # grad-op: comm_bw = 4000 unsharded + AG 400*4; comm_late = 4000 + 2 RS 2*400*4
+    # grad-op: P + 4000 unsharded; comm_bw = AG 400*4; comm_late = 2 RS 2*400*4
     ("fsdp-grad-op", "fp32", {"backward": 1000 + 2000 + 1600 + 10000 + (4000 + 1600),
                               "optimizer": 1000 + 2000 + 1000 + 1000,
                               "late-backward": 1000 + 2000 + 1000 + (4000 + 3200)}),
-    # full: comm_bw = 2 AG 2*400*4 = 3200; comm_late = 3200 + 2 RS 2*400*4 = 6400
+    # full: comm_bw = 2 AG 2*400*4 = 3200; comm_late = 1 AG (the prefetched unit: the unit
+    # reducing is resharded first) 400*4 + 2 RS 2*400*4 = 1600 + 3200
     ("fsdp-full", "fp32", {"backward": 1000 + 2000 + 1600 + 10000 + 3200,
                            "optimizer": 1000 + 2000 + 1000 + 1000,
-                           "late-backward": 1000 + 2000 + 1000 + 6400}),
+                           "late-backward": 1000 + 2000 + 1000 + 1600 + 3200}),
     # bf16-master: P 2000, G 2000, O 12000, buckets 2000, G_bw 800, T (fp32 state) 1000*4
     ("ddp", "bf16-master", {"backward": 2000 + 12000 + 800 + 10000 + 2000,
                             "optimizer": 2000 + 12000 + 2000 + 4000 + 2000,
@@ -102,14 +115,14 @@ STRATEGIES = [
     # fsdp, bf16-master = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the fp32
     # shard is the master, P 250*4 = 1000, G 250*4 = 1000, O 250*8 = 2000, T 250*4 = 1000;
     # gathered params and unsharded grads bf16: G_bw 400*2 = 800; reduce-scatter fp32
-    # grad-op: comm_bw = 2000 unsharded + AG 400*2; comm_late = 2000 + 2 RS 2*400*4
+    # grad-op: P + 2000 unsharded; comm_bw = AG 400*2; comm_late = 2 RS 2*400*4
     ("fsdp-grad-op", "bf16-master", {"backward": 1000 + 2000 + 800 + 10000 + (2000 + 800),
                                      "optimizer": 1000 + 2000 + 1000 + 1000,
                                      "late-backward": 1000 + 2000 + 1000 + (2000 + 3200)}),
-    # full: comm_bw = 2*400*2 = 1600; comm_late = 1600 + 2 RS 2*400*4 = 3200
+    # full: comm_bw = 2*400*2 = 1600; comm_late = 1 AG 400*2 + 2 RS 2*400*4 = 800 + 3200
     ("fsdp-full", "bf16-master", {"backward": 1000 + 2000 + 800 + 10000 + 1600,
                                   "optimizer": 1000 + 2000 + 1000 + 1000,
-                                  "late-backward": 1000 + 2000 + 1000 + 1600 + 3200}),
+                                  "late-backward": 1000 + 2000 + 1000 + 800 + 3200}),
 ]
 
 
@@ -150,9 +163,9 @@ def test_grad_accum_keeps_all_gradients_through_backward():
     assert est.phases["backward"] == 4000 + 8000 + 4000 + 10000  # G_bw = all of G
     fsdp = run(TrainingSetup(strategy="fsdp-full", micro_batch=2, grad_accum=4, world_size=4))
     # no_sync under FSDP keeps unsharded gradients: 1000*4 on top of P 1000 + O 2000 + A 10000
-    # + 2 AG 3200; late in backward they are still there (max(G 1000, 4000)) + 2 AG + 2 RS
+    # + 2 AG 3200; late in backward they are still there (max(G 1000, 4000)) + 1 AG + 2 RS
     assert fsdp.phases["backward"] == 1000 + 2000 + 4000 + 10000 + 3200
-    assert fsdp.phases["late-backward"] == 1000 + 2000 + 4000 + 6400
+    assert fsdp.phases["late-backward"] == 1000 + 2000 + 4000 + 1600 + 3200
 
 
 def test_frozen_parameters_cost_parameter_bytes_only():
@@ -180,13 +193,14 @@ def test_uneven_sharding_pads_like_fsdp():
 # FSDP's reduce-scatter buffers hold gradients only: sized by the largest *trainable* unit.
 # ModelStats(1000 params, 500 trainable, largest unit 600 (e.g. a frozen backbone)), fsdp-full
 # on 2 ranks, AdamW foreach, fp32, tiny given activations (1 byte): P 500*4 = 2000,
-# G 250*4 = 1000, O 250*8 = 2000, T 250*4 = 1000, 2 AG 2*600*4 = 4800, G_bw R*4.
+# G 250*4 = 1000, O 250*8 = 2000, T 250*4 = 1000, 2 AG 2*600*4 = 4800 in backward, 1 AG
+# 600*4 = 2400 late (the prefetched unit), G_bw R*4.
 FROZEN_UNITS = [
     # largest trainable unit R, backward, late-backward
-    (100, 2000 + 2000 + 400 + 1 + 4800, 2000 + 2000 + 1000 + 4800 + 2 * 100 * 4),   # known
-    (250, 2000 + 2000 + 1000 + 1 + 4800, 2000 + 2000 + 1000 + 4800 + 2 * 250 * 4),
+    (100, 2000 + 2000 + 400 + 1 + 4800, 2000 + 2000 + 1000 + 2400 + 2 * 100 * 4),   # known
+    (250, 2000 + 2000 + 1000 + 1 + 4800, 2000 + 2000 + 1000 + 2400 + 2 * 250 * 4),
     # unknown: R = min(U 600, trainable 500) = 500, the safe side
-    (None, 2000 + 2000 + 2000 + 1 + 4800, 2000 + 2000 + 1000 + 4800 + 2 * 500 * 4),
+    (None, 2000 + 2000 + 2000 + 1 + 4800, 2000 + 2000 + 1000 + 2400 + 2 * 500 * 4),
 ]
 
 
@@ -200,18 +214,21 @@ def test_reduce_scatter_buffers_follow_the_largest_trainable_unit(largest_traina
               acts=tiny)
     assert dict(est.phases) == {"backward": backward, "optimizer": 2000 + 2000 + 1000 + 1000,
                                 "late-backward": late}
-    assert est.peak_phase == "late-backward"
-    assert est.breakdown["activations"] == 0
+    # with one all-gather buffer late, a small reduce-scatter (R 100, 250) leaves the peak in
+    # backward; the unknown R (500) keeps it late, where activations are freed
+    assert est.peak_phase == ("late-backward" if largest_trainable is None else "backward")
+    assert (est.breakdown["activations"] == 0) == (largest_trainable is None)
 
 
 def test_fsdp_backward_peak_has_no_reduce_scatter_buffer():
     # M, fsdp-full, 2 ranks, fp32, traced profile (G_bw 0: its gradients are in the profile):
     # P 500*4 = 2000, O 500*8 = 4000, A 10000, 2 AG 2*400*4 = 3200 -> 19200; the reduce-scatter
-    # buffers (2*400*4 = 3200) only count late in backward: 2000 + 4000 + G 2000 + 6400 = 14400
+    # buffers (2*400*4 = 3200) only count late in backward, next to 1 AG (400*4):
+    # 2000 + 4000 + G 2000 + 1600 + 3200 = 12800
     traced = ActivationProfile(bytes_per_sample=5000.0, source="traced")
     est = run(TrainingSetup(strategy="fsdp-full", micro_batch=2, world_size=2), acts=traced)
     assert est.phases["backward"] == 2000 + 4000 + 10000 + 3200
-    assert est.phases["late-backward"] == 2000 + 4000 + 2000 + 6400
+    assert est.phases["late-backward"] == 2000 + 4000 + 2000 + 1600 + 3200
     assert est.peak_phase == "backward"
     assert est.breakdown["comm"] == 3200
 
@@ -296,6 +313,83 @@ def test_fsdp_root_unit_stays_gathered_through_backward():
     # comm_bw = (300 + 2*200) * 2 = 1400; G_bw = largest trainable unit 300 * 2 = 600
     # backward = P 1000 + O 2000 + 600 + A 10000 + 1400
     assert est.phases["backward"] == 1000 + 2000 + 600 + 10000 + 1400
-    # late: 1400 + 2 fp32 reduce-scatter buffers of the largest trainable unit 2*300*4
-    assert est.phases["late-backward"] == 1000 + 2000 + 1000 + 1400 + 2400
+    # late: the root and one block gathered (300 + 200) * 2 = 1000 (the block reducing was
+    # resharded first) + 2 fp32 reduce-scatter buffers of the largest trainable unit 2*300*4
+    assert est.phases["late-backward"] == 1000 + 2000 + 1000 + 1000 + 2400
     assert any("root unit (300 params" in n for n in est.notes)
+
+
+# -- FSDP gradient sync under accumulation ---------------------------------------------------
+
+@pytest.mark.parametrize("strategy,last_bw,every_bw", [
+    # M on 4 ranks, fp32, accumulation 4: P 1000, O 2000, A 10000, G (shards) 250*4 = 1000.
+    # last: the unsharded gradients of all 1000 params (4000) through backward; every: the
+    # shards (1000) + the first unit's unsharded gradients, given profile (400*4 = 1600).
+    # full: 2 AG 3200; grad-op: P + 4000 unsharded, AG 1600.
+    ("fsdp-full", 1000 + 2000 + 4000 + 10000 + 3200, 1000 + 2000 + 2600 + 10000 + 3200),
+    ("fsdp-grad-op", 5000 + 2000 + 4000 + 10000 + 1600, 5000 + 2000 + 2600 + 10000 + 1600),
+])
+def test_fsdp_grad_sync_modes_under_accumulation(strategy, last_bw, every_bw):
+    def setup(sync):
+        return TrainingSetup(strategy=strategy, micro_batch=2, grad_accum=4, world_size=4,
+                             fsdp_grad_sync=sync)
+    last, every = run(setup("last_micro_batch")), run(setup(GradSync.EVERY_MICRO_BATCH))
+    assert last.phases["backward"] == last_bw
+    assert every.phases["backward"] == every_bw
+    assert every.peak_bytes < last.peak_bytes
+    # the default is last_micro_batch, the loop's behaviour before the mode was a choice
+    assert run(TrainingSetup(strategy=strategy, micro_batch=2, grad_accum=4,
+                             world_size=4)).phases == last.phases
+    # accumulation 1: the modes are the same step
+    one = [run(TrainingSetup(strategy=strategy, micro_batch=2, world_size=4, fsdp_grad_sync=s))
+           for s in GradSync]
+    assert one[0].phases == one[1].phases
+
+
+def test_last_micro_batch_accumulates_in_the_reduce_dtype():
+    # bf16-master: FSDP2 upcasts the accumulated unsharded gradients to reduce_dtype fp32
+    # (FSDPParam.to_accumulated_grad_if_needed): 1000 * 4, not 1000 * 2
+    est = run(TrainingSetup(strategy="fsdp-full", precision="bf16-master", micro_batch=2,
+                            grad_accum=2, world_size=4))
+    assert est.breakdown["grads"] == 4000
+
+
+def test_grad_op_books_unsharded_parameters_as_params():
+    # ZeRO paper, Table 1, P_os+g: 7.5 B parameters, 64 ranks, mixed precision (2 bytes a
+    # gathered parameter): 2 * 7.5e9 = 15 GB unsharded, the rest divided by 64.
+    n = 7_500_000_000
+    model = ModelStats(num_params=n, num_trainable_params=n,
+                       largest_unit_params=default_fsdp_unit_params(n))
+    est = run(TrainingSetup(strategy="fsdp-grad-op", precision="bf16", optimizer="adamw",
+                            micro_batch=1, world_size=64), model=model,
+              acts=ActivationProfile(bytes_per_sample=1.0, source="given"))
+    shard = -(-n // 64)                                  # 117_187_500
+    assert est.breakdown["params"] == 2 * n + 2 * shard  # unsharded bf16 + bf16 shards
+    assert est.breakdown["optimizer"] == 4 * shard       # bf16 exp_avg + exp_avg_sq
+    # tiny activations: the peak is late in backward; comm holds only the collectives' buffers
+    # (2 reduce-scatter buffers of the 1/8 unit, 2 x 937.5 M x 2 B), no parameters
+    assert est.peak_phase == "late-backward"
+    assert est.breakdown["comm"] == 2 * 2 * default_fsdp_unit_params(n) == 3_750_000_000
+
+
+def test_comm_bytes_per_step():
+    # fsdp-full, fp32, 1000 params (no root known), 2 ranks, accumulation 4: gathers
+    # 4 x 2 x 1000 x 4 = 32000 B; reduce-scatters 1 x 4000 (last) or 4 x 4000 (every); x 1/2
+    def comm(strategy, sync, accum=4, world=2):
+        return comm_bytes_per_step(M, TrainingSetup(strategy=strategy, grad_accum=accum,
+                                                    world_size=world, fsdp_grad_sync=sync))
+    assert comm("fsdp-full", "last_micro_batch") == (32000 + 4000) // 2
+    assert comm("fsdp-full", "every_micro_batch") == (32000 + 16000) // 2
+    # grad-op gathers once per micro-batch: 4 x 1000 x 4 = 16000
+    assert comm("fsdp-grad-op", "every_micro_batch") == (16000 + 16000) // 2
+    assert comm("ddp", "every_micro_batch") == 0 and comm("fsdp-full", "last_micro_batch",
+                                                           world=1) == 0
+
+
+def test_default_fsdp_unit_is_an_eighth():
+    assert default_fsdp_unit_params(8000) == 1000 and default_fsdp_unit_params(3) == 1
+
+
+def test_bad_grad_sync_names_the_field():
+    with pytest.raises(PlanInputError, match="fsdp_grad_sync"):
+        TrainingSetup(fsdp_grad_sync="sometimes")

@@ -25,7 +25,6 @@ and the shrink is refused (:func:`shrink_effect`).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -33,7 +32,13 @@ from typing import Any, Mapping, Sequence
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action
-from raytrain_guard.core.memory_model import PARAM_BYTES, Strategy, TrainingSetup, estimate
+from raytrain_guard.core.memory_model import (  # GradSync: re-exported, its old home
+    PARAM_BYTES,
+    GradSync,
+    Strategy,
+    TrainingSetup,
+    estimate,
+)
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.core.steps import StepStats
 
@@ -49,16 +54,6 @@ throughput (the allocator re-reserves what the step needs)."""
 
 STOP_COST_FRAC = 1.0
 """Checkpoint-and-stop ends the run's throughput until someone restarts it."""
-
-
-class GradSync(str, enum.Enum):
-    """When gradients are synchronized within an accumulation window."""
-
-    LAST_MICRO_BATCH = "last_micro_batch"    # no_sync until the last micro-batch (the train
-                                             # loop's PlannedModel.grad_sync): under FSDP the
-                                             # earlier micro-batches keep unsharded gradients
-    EVERY_MICRO_BATCH = "every_micro_batch"  # FSDP reduce-scatters every micro-batch: the
-                                             # accumulated gradients stay sharded
 
 
 @dataclass(frozen=True)

@@ -56,18 +56,23 @@ pads its flat parameters):
   ``ZeroRedundancyOptimizer`` never splits a parameter (largest first, to the least loaded rank),
   so one huge parameter can leave a rank with most of the state; DDP buckets as above.
 * ``fsdp-grad-op`` (ZeRO-2): gradients and optimizer state divided by ``N``; the parameters are
-  kept sharded at rest *and* unsharded from forward to the end of backward (counted as
-  ``comm``). ``backward`` adds the all-gather buffer of the largest unit (alive next to its
-  unsharded copy while it is gathered); ``late-backward`` adds two reduce-scatter buffers of
-  the largest *trainable* unit instead.
+  kept sharded at rest *and* unsharded from forward to the end of backward. Both are booked
+  under ``params`` in the backward phases (the model states of the ZeRO paper's Table 1,
+  P_os+g: 2 bytes x 7.5 B unsharded + (2 + 12) x 7.5 B / 64 = 16.6 GB), only the shards in the
+  ``optimizer`` phase; ``comm`` holds the collectives' own buffers: in ``backward`` the
+  all-gather buffer of the largest unit (alive next to its unsharded copy while it is
+  gathered), in ``late-backward`` two reduce-scatter buffers of the largest *trainable* unit.
 * ``fsdp-full`` (ZeRO-3): parameters, gradients and optimizer state divided by ``N``.
   ``backward``: two all-gather buffers of the largest unit (the unit computed and the one
-  prefetched); ``late-backward``: those plus two reduce-scatter buffers of the largest
-  trainable unit. The largest unit's position is unknown, so a prefetch is always assumed
-  (an upper bound: measured on CPU, the MLP whose largest unit comes last in backward is
-  over-predicted). When the root unit is known (``ModelStats.root_unit_params``: embedding,
-  output head, final norm), it is gathered through all of backward (FSDP2 does not reshard the
-  root after forward) and the two buffers are those of the largest *other* unit.
+  prefetched); ``late-backward``: two reduce-scatter buffers of the largest trainable unit and
+  *one* all-gather buffer, the unit prefetched for the next backward. FSDP2's
+  ``post_backward`` reshards a unit (frees its gathered parameters) before it reduce-scatters
+  its gradients (``_fsdp_param_group.py``), so the unit's own all-gather buffer is gone by
+  then; and the unit that runs backward last (the first in forward: the MLP's largest layer)
+  prefetches nothing. Counting both all-gather buffers there over-predicted the MLP by 19 %.
+  When the root unit is known (``ModelStats.root_unit_params``: embedding, output head, final
+  norm), it is gathered through all of backward (FSDP2 does not reshard the root after
+  forward) and the buffers are those of the largest *other* unit.
 
 Runtime reserve: ``cuda_context_bytes`` plus ``fragmentation_frac`` of the tensor peak; under FSDP
 with the peak in backward also the previous step's gradient shards. ``zero_grad`` frees them
@@ -79,7 +84,15 @@ Adam), for 15.4 GiB at 16 (gradients included) times the ~1.10 reserved/allocate
 runs share.
 
 Gradient accumulation (``grad_accum > 1``): the gradients of earlier micro-steps are alive during
-every later backward (DDP ``no_sync``; FSDP ``no_sync`` keeps them unsharded).
+every later backward. DDP (``no_sync``) keeps them whole. FSDP has two modes
+(:class:`GradSync`, ``TrainingSetup.fsdp_grad_sync``):
+
+* ``last_micro_batch``: ``set_requires_gradient_sync(False)`` until the last micro-batch: each
+  rank holds the *unsharded* gradients of the whole model (in the reduce dtype, FSDP2's
+  ``unsharded_accumulated_grad``) through every later backward; one reduce-scatter per step.
+* ``every_micro_batch``: reduce-scatter after every micro-batch: the accumulated gradients stay
+  sharded (``G / N``), at the price of ``grad_accum`` reduce-scatters per step
+  (:func:`comm_bytes_per_step`).
 """
 
 from __future__ import annotations
@@ -114,6 +127,34 @@ class OptimizerKind(str, enum.Enum):
     SGD_MOMENTUM = "sgd-momentum"
     ADAM = "adam"
     ADAMW = "adamw"
+
+
+class GradSync(str, enum.Enum):
+    """When FSDP synchronizes (reduce-scatters) gradients within an accumulation window."""
+
+    LAST_MICRO_BATCH = "last_micro_batch"    # no sync until the last micro-batch (the train
+                                             # loop's PlannedModel.grad_sync(False)): under FSDP
+                                             # the earlier micro-batches keep unsharded gradients
+    EVERY_MICRO_BATCH = "every_micro_batch"  # FSDP reduce-scatters every micro-batch: the
+                                             # accumulated gradients stay sharded
+
+
+#: ``TrainingSetup.fsdp_grad_sync`` when not given: the loop's behaviour before the mode was a
+#: choice (``no_sync`` until the last micro-batch), and the larger memory of the two (safe side)
+DEFAULT_GRAD_SYNC = GradSync.LAST_MICRO_BATCH
+
+#: A model known by its parameter count alone: its largest FSDP unit is assumed to hold this
+#: share of the parameters. Rule: a model wrapped per block (``runtime.model.wrap_units``,
+#: torchtitan's Llama recipes) has its largest unit in the root (embedding and output head) or
+#: one block; Llama 3.1 8B's root holds 13 % of its parameters, a block 2.7 %, so 1/8 with two
+#: such units gathered covers the root and two blocks of that model (and any deeper one).
+DEFAULT_FSDP_UNIT_FRAC = 1 / 8
+
+
+def default_fsdp_unit_params(num_params: int) -> int:
+    """The largest FSDP unit assumed when only the parameter count is known
+    (:data:`DEFAULT_FSDP_UNIT_FRAC` of it, at least one parameter)."""
+    return max(1, math.ceil(num_params * DEFAULT_FSDP_UNIT_FRAC))
 
 
 #: bytes of one parameter / one gradient element
@@ -166,9 +207,12 @@ class TrainingSetup:
     bucket_cap_mb: float = 25.0             # DDP's default cap
     gradient_as_bucket_view: bool = False   # DDP's default
     foreach: bool = True                    # optimizer implementation (CUDA default)
+    fsdp_grad_sync: GradSync = DEFAULT_GRAD_SYNC  # FSDP with grad_accum > 1 (see the module doc)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", coerce_enum(Strategy, self.strategy, "strategy"))
+        object.__setattr__(self, "fsdp_grad_sync",
+                           coerce_enum(GradSync, self.fsdp_grad_sync, "fsdp_grad_sync"))
         object.__setattr__(self, "precision", coerce_enum(Precision, self.precision, "precision"))
         object.__setattr__(self, "optimizer",
                            coerce_enum(OptimizerKind, self.optimizer, "optimizer"))
@@ -251,6 +295,31 @@ def optimizer_temp_bytes(model: ModelStats, setup: TrainingSetup) -> int:
     return 2 * largest * state
 
 
+def comm_bytes_per_step(model: ModelStats, setup: TrainingSetup) -> int:
+    """Bytes one rank sends through its collectives in one optimizer step (FSDP; 0 otherwise).
+
+    A ring all-gather or reduce-scatter of ``E`` elements moves ``(N - 1) / N x E`` elements
+    per rank. Per micro-batch FSDP gathers every unit in forward, and fsdp-full again in
+    backward (the root, not resharded after forward, only once); gradients are
+    reduce-scattered (in the reduce dtype) once per step under ``last_micro_batch`` and after
+    every micro-batch under ``every_micro_batch``. Worked: fsdp-full, fp32, 1000 parameters
+    (root unknown), 2 ranks, accumulation 4: gathers 4 x 2 x 1000 x 4 B = 32000 B; reduce-scatters
+    1 x 1000 x 4 B (last) or 4 x 1000 x 4 B (every); x 1/2 -> 18000 or 24000 B.
+    """
+    n = setup.world_size
+    if setup.strategy not in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP) or n == 1:
+        return 0
+    p_b, reduce_b = PARAM_BYTES[setup.precision], REDUCE_BYTES[setup.precision]
+    gathered = model.num_params
+    if setup.strategy is Strategy.FSDP_FULL:
+        root = model.root_unit_params or 0
+        gathered = 2 * model.num_params - root
+    syncs = setup.grad_accum if setup.fsdp_grad_sync is GradSync.EVERY_MICRO_BATCH else 1
+    elements_bytes = setup.grad_accum * gathered * p_b \
+        + syncs * model.num_trainable_params * reduce_b
+    return int(elements_bytes * (n - 1) // n)
+
+
 def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingSetup,
              config: GuardConfig = GuardConfig()) -> MemoryEstimate:
     """The per-GPU memory of one steady-state training step.
@@ -296,6 +365,7 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
     comm_bw = 0
     comm_opt = 0
     comm_late = 0
+    unsharded = 0     # fsdp-grad-op: parameters gathered from forward to the end of backward
     rs_unit = unit if model.largest_trainable_unit_params is None \
         else model.largest_trainable_unit_params
     rs_unit = min(rs_unit, trainable)
@@ -318,27 +388,43 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         else:
             comm_bw = 2 * unit * p_b
             gathered = f"2 all-gather buffers of the largest unit ({unit} params)"
-        comm_late = comm_bw + 2 * rs_unit * reduce_b
+        # late: the unit reducing was resharded first; only the prefetched one is gathered
+        prefetched = (root + block) if root is not None and block is not None else unit
+        comm_late = prefetched * p_b + 2 * rs_unit * reduce_b
         notes.append(f"FSDP: {gathered} from the start of backward, {p_b} bytes a parameter; "
                      f"2 reduce-scatter buffers of the largest trainable unit ({rs_unit} "
-                     f"params, {reduce_b} bytes each) only late in backward")
+                     f"params, {reduce_b} bytes each) only late in backward, next to one "
+                     f"gathered unit (a unit is resharded before it reduce-scatters)")
     else:  # FSDP_GRAD_OP
         # unsharded parameters from forward to the end of backward, plus the all-gather output
         # of the unit being gathered in forward (alive next to its unsharded copy: the peak of
         # a model whose activations peak in forward, e.g. a frozen backbone)
-        comm_bw = model.num_params * p_b + unit * p_b
-        comm_late = model.num_params * p_b + 2 * rs_unit * reduce_b
-        notes.append(f"SHARD_GRAD_OP keeps unsharded parameters from forward to the end of "
-                     f"backward (+ the all-gather buffer of the largest unit, {unit} params, "
-                     f"while it is gathered); 2 reduce-scatter buffers of the largest "
-                     f"trainable unit ({rs_unit} params) only late in backward")
+        # (booked under params: they are parameters, not a collective's buffer)
+        unsharded = model.num_params * p_b
+        comm_bw = unit * p_b
+        comm_late = 2 * rs_unit * reduce_b
+        notes.append(f"SHARD_GRAD_OP keeps unsharded parameters ({unsharded / MiB:.1f} MiB, under "
+                     f"params) from forward to the end of backward, + the all-gather buffer of "
+                     f"the largest unit ({unit} params) while it is gathered; 2 reduce-scatter "
+                     f"buffers of the largest trainable unit ({rs_unit} params) only late in "
+                     f"backward")
 
     # -- activations and gradients alive at the backward peak ------------------------------
     acts = activations.at(setup.micro_batch)
-    if setup.grad_accum > 1:
-        grads_bw = trainable * p_b if fsdp else grads
-        notes.append(f"grad_accum={setup.grad_accum}: gradients of earlier micro-steps live "
-                     f"through every backward")
+    every = fsdp and setup.fsdp_grad_sync is GradSync.EVERY_MICRO_BATCH
+    if setup.grad_accum > 1 and every:
+        # the accumulated shards, plus what a profile without gradients leaves out: the first
+        # unit's unsharded gradients before they are reduce-scattered
+        first = 0 if (activations.source == "traced" or activations.includes_gradients) \
+            else rs_unit * p_b
+        grads_bw = grads + first
+        notes.append(f"grad_accum={setup.grad_accum}, every_micro_batch: the accumulated "
+                     f"gradients stay sharded ({grads / MiB:.1f} MiB) through every backward")
+    elif setup.grad_accum > 1:
+        grads_bw = trainable * reduce_b if fsdp else grads
+        notes.append(f"grad_accum={setup.grad_accum}" + (
+            ", last_micro_batch: unsharded gradients" if fsdp else ": gradients") +
+            " of earlier micro-steps live through every backward")
     elif activations.source == "traced" or activations.includes_gradients:
         grads_bw = 0  # the profile already holds the gradients alive at its peak
     else:  # the first unit's unsharded gradients, conservatively
@@ -346,12 +432,12 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
     temp = optimizer_temp_bytes(model, setup)
 
     phases = {
-        "backward": params + buffers + optimizer + grads_bw + acts + comm_bw,
+        "backward": params + unsharded + buffers + optimizer + grads_bw + acts + comm_bw,
         "optimizer": params + buffers + optimizer + grads + temp + comm_opt,
     }
     parts = {
-        "backward": dict(params=params, buffers=buffers, grads=grads_bw, optimizer=optimizer,
-                         activations=acts, temp=0, comm=comm_bw),
+        "backward": dict(params=params + unsharded, buffers=buffers, grads=grads_bw,
+                         optimizer=optimizer, activations=acts, temp=0, comm=comm_bw),
         "optimizer": dict(params=params, buffers=buffers, grads=grads, optimizer=optimizer,
                           activations=0, temp=temp, comm=comm_opt),
     }
@@ -360,10 +446,11 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         # are left out), every sharded gradient written, reduce-scatter buffers in flight;
         # under grad_accum the unsharded gradients of earlier micro-steps are still alive
         grads_late = max(grads, grads_bw if setup.grad_accum > 1 else 0)
-        phases["late-backward"] = params + buffers + optimizer + grads_late + comm_late
-        parts["late-backward"] = dict(params=params, buffers=buffers, grads=grads_late,
-                                      optimizer=optimizer, activations=0, temp=0,
-                                      comm=comm_late)
+        phases["late-backward"] = params + unsharded + buffers + optimizer + grads_late \
+            + comm_late
+        parts["late-backward"] = dict(params=params + unsharded, buffers=buffers,
+                                      grads=grads_late, optimizer=optimizer, activations=0,
+                                      temp=0, comm=comm_late)
     if strat in (Strategy.DDP, Strategy.ZERO1) and n > 1:
         phases["rebuild"] = params + buffers + optimizer + 2 * bucket
         parts["rebuild"] = dict(params=params, buffers=buffers, grads=0, optimizer=optimizer,
