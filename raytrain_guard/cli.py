@@ -92,6 +92,15 @@ def add_plan_command(subparsers) -> None:
                      "and SDPA saved); full. With the model shape only (--layers ...)")
     run.add_argument("--attention", help="flash (default), math; with the model shape only")
     run.add_argument("--workers", default="1", metavar="N", help="data-parallel ranks in total")
+    run.add_argument("--fsdp-grad-sync", default="auto",
+                     help="FSDP with gradient accumulation: every_micro_batch (reduce-scatter "
+                          "each micro-batch: gradients stay sharded, more communication), "
+                          "last_micro_batch (no sync until the last: unsharded gradients held, "
+                          "less communication) or auto (default: the mode that fits the larger "
+                          "micro-batch, the less communication on a tie)")
+    run.add_argument("--fsdp-unit-params", metavar="N",
+                     help="with --params: parameters of the largest FSDP unit (default: 1/8 of "
+                          "the model, with a warning; the shape and --model know their units)")
 
     mach = p.add_argument_group("machine")
     mach.add_argument("--gpus-per-node", metavar="N",
@@ -130,7 +139,8 @@ PLAN_FLAGS = {
     "precision": "--precision", "optimizer": "--optimizer", "recompute": "--recompute",
     "attention": "--attention", "layers": "--layers", "hidden": "--hidden", "heads": "--heads",
     "seq_len": "--seq-len", "vocab": "--vocab", "ffn_hidden": "--ffn-hidden",
-    "num_kv_heads": "--kv-heads", "bandwidth_curve": "--bandwidth-curve", "norm": "--norm"}
+    "num_kv_heads": "--kv-heads", "bandwidth_curve": "--bandwidth-curve", "norm": "--norm",
+    "fsdp_grad_sync": "--fsdp-grad-sync"}
 #: Python spellings in fix texts -> the flag or file that does it on the command line
 PLAN_FIX_WORDS = (("pin_memory=False", "--no-pin-memory"),
                   ("host_prefetch_frac", "host_prefetch_frac (--config)"))
@@ -190,8 +200,10 @@ def _plan_from_flags(args: argparse.Namespace) -> int:
                   batch_bytes=batch_bytes, sample_bytes=sample_bytes,
                   list_backed_dataset=list_backed, bandwidth_curve=_curve(args),
                   config=config, auto_micro_batch=args.micro_batch is None,
-                  pin_memory=not args.no_pin_memory)
+                  pin_memory=not args.no_pin_memory,
+                  fsdp_grad_sync=getattr(args, "fsdp_grad_sync", None) or "auto")
     data = result.to_dict()
+    data["warnings"] = list(_unit_warnings(args, model, setup)) + data["warnings"]
     data["num_params"] = model.num_params
     data["num_trainable_params"] = model.num_trainable_params
     data["gpus_per_node"] = gpus
@@ -224,6 +236,17 @@ def format_plan(d: dict[str, Any]) -> str:
     rows.append(("micro_batch", f"{d['micro_batch']} (largest that fits: {largest_txt})"))
     rows.append(("grad_accum", f"{d['grad_accum']} -> global batch {d['global_batch']} = "
                                f"{d['micro_batch']} x {d['grad_accum']} x {d['world_size']}"))
+    options = sorted(d.get("fsdp_grad_sync_options") or (), key=lambda o: not o["chosen"])
+    for option in options:
+        largest_mb = option["max_micro_batch"]
+        mark = "chosen" if option["chosen"] else "other"
+        rows.append(("fsdp_grad_sync" if option["chosen"] else "",
+                     f"{option['fsdp_grad_sync']} ({mark}): largest micro-batch "
+                     f"{'no limit' if largest_mb is None else largest_mb}, "
+                     f"{format_bytes(option['total_bytes'])} at {option['micro_batch']} x "
+                     f"{option['grad_accum']} (grads {format_bytes(option['grads_bytes'])}), "
+                     f"{format_bytes(option['comm_bytes_per_step'])} through the collectives "
+                     f"per step"))
     if d["bucket"] is not None:
         rows.append(("bucket_cap_mb", d["bucket"]["reason"]))
     elif d["world_size"] == 1 and d["strategy"] in ("ddp", "zero1"):
@@ -285,9 +308,14 @@ def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
                                      "give --activation-bytes-per-sample as measured with it"
                                      if source == "--params" else
                                      "the trace measures the model as its factory builds it"))
+    unit_flag = getattr(args, "fsdp_unit_params", None)
+    if unit_flag is not None and args.params is None:
+        raise PlanInputError("--fsdp-unit-params", "only applies with --params", value=unit_flag,
+                             fix="drop it: the shape and the trace know the model's FSDP units")
     if args.params is not None:
         n = parse_count(args.params, field="--params", at_most=MAX_PARAMS)
-        model = ModelStats(num_params=n, num_trainable_params=n)
+        model = ModelStats(num_params=n, num_trainable_params=n,
+                           largest_unit_params=_unit_params(unit_flag, n))
         if args.activation_bytes_per_sample is None:
             return model, ActivationProfile(0.0, source="unknown"), ()
         per_sample = _size(args.activation_bytes_per_sample, "--activation-bytes-per-sample")
@@ -328,6 +356,34 @@ def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
         vocab=_positive_int(args.vocab, "--vocab"), precision=setup.precision,
         recompute=args.recompute or "none", attention=args.attention or "flash", **options)
     return model, acts, acts.notes
+
+
+def _unit_params(text, num_params: int) -> int:
+    """``--fsdp-unit-params``, or the core's default share of ``num_params``."""
+    from raytrain_guard.core.memory_model import default_fsdp_unit_params
+
+    if text is None:
+        return default_fsdp_unit_params(num_params)
+    unit = parse_count(text, field="--fsdp-unit-params", at_most=MAX_PARAMS)
+    if not 0 < unit <= num_params:
+        raise PlanInputError("--fsdp-unit-params", f"must be between 1 and --params "
+                             f"({num_params})", value=text,
+                             fix="give the parameters of the largest FSDP unit (one block, or "
+                                 "the embedding and head)")
+    return unit
+
+
+def _unit_warnings(args, model, setup) -> tuple[str, ...]:
+    """The FSDP unit assumed for a plan from ``--params`` alone, said once."""
+    if args.params is None or getattr(args, "fsdp_unit_params", None) is not None or \
+            setup.strategy.value not in ("fsdp-full", "fsdp-grad-op"):
+        return ()
+    from raytrain_guard.core.memory_model import DEFAULT_FSDP_UNIT_FRAC
+
+    return (f"FSDP unit size unknown (--params alone): assumed the largest unit holds "
+            f"1/{round(1 / DEFAULT_FSDP_UNIT_FRAC)} of the parameters "
+            f"({_format_count(model.largest_unit_params)}); give --fsdp-unit-params N, or the "
+            f"shape (--layers ...)",)
 
 
 def _data_source(args, config) -> tuple[int | None, float | None, bool, tuple[str, ...]]:

@@ -428,3 +428,64 @@ def test_fragmentation_flag_sets_the_allocator_reserve():
                             "--json").stdout)
     assert d["peak_bytes"] == 20_000_000_000
     assert d["breakdown"]["reserve"] == 1024**3 + 2_800_000_000
+
+
+# -- FSDP: gradient sync, unit size, the grad-op model states ----------------------------------
+
+def test_fsdp_grad_sync_in_json_and_table():
+    # the README's 6.7 B Llama-shape plan: with unsharded gradients (25 GiB) only micro-batch 1
+    # fits; reduce-scattering every micro-batch keeps them sharded and fits 2 (fewer micro-steps,
+    # fewer all-gathers: less communication as well)
+    shape = ("--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len", "4096",
+             "--vocab", "32000", "--strategy", "fsdp-full", "--precision", "amp-bf16",
+             "--workers", "64", "--gpus-per-node", "8", "--gpu-mem", "80GiB",
+             "--global-batch", "1024")
+    out = run_plan(*shape, "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["fsdp_grad_sync"] == "every_micro_batch"
+    by_mode = {o["fsdp_grad_sync"]: o for o in d["fsdp_grad_sync_options"]}
+    assert by_mode["last_micro_batch"]["max_micro_batch"] == 1
+    assert by_mode["every_micro_batch"]["max_micro_batch"] == d["micro_batch"] == 2
+    asked = json.loads(run_plan(*shape, "--json", "--fsdp-grad-sync", "last_micro_batch").stdout)
+    assert (asked["fsdp_grad_sync"], asked["micro_batch"], asked["grad_accum"]) == \
+        ("last_micro_batch", 1, 16)
+    table = run_plan(*shape).stdout
+    assert "every_micro_batch (chosen)" in table and "last_micro_batch (other)" in table
+
+
+def test_grad_op_books_unsharded_parameters_under_params():
+    # ZeRO paper Table 1, P_os+g, 7.5 B parameters on 64 ranks: 16.6 GB of model states.
+    # bf16-master under FSDP2: bf16 unsharded 2 x 7.5e9 = 15 GB + fp32 shards of parameters,
+    # gradients and Adam's two states (4 + 4 + 8) x 7.5e9 / 64 = 1.875 GB = 16.875 GB (ZeRO's
+    # fp16 gradient shard is 2 bytes, not 4: 16.6)
+    out = run_plan("--params", "7.5e9", "--strategy", "fsdp-grad-op", "--workers", "64",
+                   "--precision", "bf16-master", "--gpu-mem", "80GiB", "--json")
+    d = json.loads(out.stdout)
+    b = d["breakdown"]
+    shard = 117_187_500                                    # 7.5e9 / 64
+    assert b["params"] == 2 * 7_500_000_000 + 4 * shard
+    assert b["params"] + b["grads"] + b["optimizer"] == 15_000_000_000 + 16 * shard
+    assert b["comm"] < b["params"] / 2                      # collectives' buffers only
+    assert any("FSDP unit size unknown" in w and "1/8" in w for w in d["warnings"])
+
+
+def test_fsdp_unit_params_flag():
+    base = ("--params", "8e9", "--strategy", "fsdp-full", "--workers", "8", "--gpu-mem",
+            "80GiB", "--json")
+    default = json.loads(run_plan(*base).stdout)
+    given = json.loads(run_plan(*base, "--fsdp-unit-params", "250M").stdout)
+    assert not any("FSDP unit size unknown" in w for w in given["warnings"])
+    # fp32 AdamW, no activations, shards of 1e9: P 4e9 + G 4e9 + O 8e9 = 16e9; late-backward
+    # adds 1 gathered unit + 2 reduce-scatter buffers = 3 x unit x 4 B: 3 x 1e9 x 4 with the
+    # default 1/8, 3 x 250 M x 4 given
+    assert default["phases"]["late-backward"] == 16_000_000_000 + 12_000_000_000
+    assert given["phases"]["late-backward"] == 16_000_000_000 + 3_000_000_000
+    err = one_line_error(run_plan("--layers", "2", "--hidden", "64", "--heads", "2",
+                                  "--seq-len", "16", "--vocab", "100", "--gpu-mem", "80GiB",
+                                  "--fsdp-unit-params", "1M"))
+    assert "--fsdp-unit-params" in err and "only applies with --params" in err
+    err = one_line_error(run_plan(*base, "--fsdp-unit-params", "9e9"))
+    assert "--fsdp-unit-params" in err
+    err = one_line_error(run_plan(*base, "--fsdp-grad-sync", "sometimes"))
+    assert "--fsdp-grad-sync" in err and "every_micro_batch" in err

@@ -264,3 +264,60 @@ def test_does_not_fit_advice_adds_ranks_only_where_they_shard(strategy, world, a
     fixes = _fixes_for(TrainingSetup(strategy=strategy, world_size=world))
     assert ("add ranks" in fixes) is adds_ranks, fixes
     assert "fsdp-full" in fixes
+
+
+# -- FSDP gradient sync under accumulation ---------------------------------------------------
+# MODEL with its largest FSDP unit 100 k parameters, fsdp-full on 4 ranks, SGD, fp32, the CFG
+# reserve, the 40 MB card (budget 34 MB). Shards: P 250 k x 4 = 1 MB, G 1 MB, O 0;
+# 2 all-gather buffers 2 x 100 k x 4 = 0.8 MB; the first unit's unsharded gradients 0.4 MB.
+#   accumulation 1 (both modes): peak 1 + 0.4 + 0.8 + b = 2.2 + b MB, reserve 2 + 0.1 peak +
+#     the previous step's shards 1 -> total 5.42 + 1.1 b <= 34: b <= 25
+#   last_micro_batch, accumulation > 1: unsharded gradients 4 MB through backward: peak
+#     1 + 4 + 0.8 + b = 5.8 + b, total 8.38 + 1.1 b <= 34: b <= 23
+#   every_micro_batch: the shards 1 MB + 0.4: peak 3.2 + b, total 5.52 + 1.1 b: b <= 25
+# Global batch 384 = 96 per rank: every -> 24 x 4 (largest divisor <= 25); last -> 16 x 6
+# (first 24 x 4 at accumulation 1, then <= 23 with the unsharded gradients: 16).
+FSDP_MODEL = dataclasses.replace(MODEL, largest_unit_params=100_000)
+FSDP_SGD = TrainingSetup(strategy="fsdp-full", optimizer="sgd", world_size=4)
+
+
+def test_auto_grad_sync_picks_the_mode_with_the_larger_micro_batch():
+    p = _plan(model=FSDP_MODEL, setup=FSDP_SGD, global_batch=384, auto_micro_batch=True)
+    assert p.fsdp_grad_sync == "every_micro_batch"
+    assert (p.micro_batch, p.grad_accum, p.max_micro_batch) == (24, 4, 25)
+    by_mode = {o["fsdp_grad_sync"]: o for o in p.grad_sync_options}
+    assert (by_mode["last_micro_batch"]["micro_batch"], by_mode["last_micro_batch"]["grad_accum"],
+            by_mode["last_micro_batch"]["max_micro_batch"]) == (16, 6, 23)
+    assert by_mode["every_micro_batch"]["chosen"] and not by_mode["last_micro_batch"]["chosen"]
+    # bytes through the collectives per step, x (4 - 1) / 4: gathers 2 x 1 M x 4 B per
+    # micro-batch; reduce-scatters 1 M x 4 B once (last) or per micro-batch (every)
+    every, last = by_mode["every_micro_batch"], by_mode["last_micro_batch"]
+    assert every["comm_bytes_per_step"] == (4 * 8_000_000 + 4 * 4_000_000) * 3 // 4
+    assert last["comm_bytes_per_step"] == (6 * 8_000_000 + 4_000_000) * 3 // 4
+    d = p.to_dict()
+    assert d["fsdp_grad_sync"] == "every_micro_batch" and len(d["fsdp_grad_sync_options"]) == 2
+    assert d["comm_bytes_per_step"] == by_mode["every_micro_batch"]["comm_bytes_per_step"]
+
+
+def test_grad_sync_tie_goes_to_less_communication():
+    # no activation bytes: neither mode limits the micro-batch; at 4 x 4 last_micro_batch
+    # reduce-scatters once instead of 4 times
+    flat = ActivationProfile(bytes_per_sample=0.0, source="given")
+    p = _plan(model=FSDP_MODEL, activations=flat,
+              setup=dataclasses.replace(FSDP_SGD, micro_batch=4, grad_accum=4))
+    assert p.fsdp_grad_sync == "last_micro_batch"
+    comm = {o["fsdp_grad_sync"]: o["comm_bytes_per_step"] for o in p.grad_sync_options}
+    assert comm["last_micro_batch"] < comm["every_micro_batch"]
+
+
+def test_grad_sync_as_asked_and_refused_when_unknown():
+    p = _plan(model=FSDP_MODEL, setup=FSDP_SGD, global_batch=384, auto_micro_batch=True,
+              fsdp_grad_sync="last_micro_batch")
+    assert p.fsdp_grad_sync == "last_micro_batch" and p.setup.fsdp_grad_sync.value == \
+        "last_micro_batch"
+    assert (p.micro_batch, p.grad_accum) == (16, 6)
+    with pytest.raises(PlanInputError, match="fsdp_grad_sync.*every_micro_batch"):
+        _plan(model=FSDP_MODEL, setup=FSDP_SGD, fsdp_grad_sync="sometimes")
+    ddp = _plan()
+    assert ddp.fsdp_grad_sync is None and ddp.grad_sync_options == ()
+    assert ddp.to_dict()["fsdp_grad_sync"] is None

@@ -10,7 +10,10 @@ behind it and every setting it derived:
   global batch (``global = micro_batch x grad_accum x world_size``), saying when it cannot be met
   exactly;
 - ``bucket_cap_mb`` for DDP (:mod:`raytrain_guard.core.buckets`);
-- DataLoader ``num_workers`` / ``prefetch_factor`` (:mod:`raytrain_guard.core.dataloader_sizing`).
+- DataLoader ``num_workers`` / ``prefetch_factor`` (:mod:`raytrain_guard.core.dataloader_sizing`);
+- under FSDP, the gradient sync of an accumulation window (``fsdp_grad_sync``): both modes are
+  planned (memory, and bytes through the collectives per step) and, asked ``auto``, the one
+  that fits the largest micro-batch is chosen, the one that communicates less on a tie.
 
 The memory of one step comes from :func:`raytrain_guard.core.memory_model.estimate`.
 """
@@ -32,9 +35,11 @@ from raytrain_guard.core.dataloader_sizing import (
 )
 from raytrain_guard.core.memory_model import (
     PARAM_BYTES,
+    GradSync,
     MemoryEstimate,
     Strategy,
     TrainingSetup,
+    comm_bytes_per_step,
     estimate,
 )
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
@@ -43,6 +48,11 @@ from raytrain_guard.units import MiB, format_bytes
 
 #: the micro-batch search stops here (activations that small per sample are a profile error)
 MAX_MICRO_BATCH_SEARCH = 1 << 24
+
+#: ``plan(fsdp_grad_sync=...)``: let the planner choose the FSDP gradient sync (issue 12's rule:
+#: the mode that fits the largest micro-batch, the less communication on a tie)
+AUTO_GRAD_SYNC = "auto"
+FSDP_STRATEGIES = (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP)
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,15 @@ class Plan:
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     headroom_frac: float = 0.15
+    comm_bytes_per_step: int = 0          # bytes one rank moves through FSDP's collectives
+    grad_sync_options: tuple[dict[str, Any], ...] = ()  # FSDP: both modes, as planned
+
+    @property
+    def fsdp_grad_sync(self) -> str | None:
+        """The FSDP gradient sync planned (``setup.fsdp_grad_sync``); None when not FSDP."""
+        if self.setup.strategy not in FSDP_STRATEGIES:
+            return None
+        return self.setup.fsdp_grad_sync.value
 
     # -- views --------------------------------------------------------------------------------
     @property
@@ -112,6 +131,9 @@ class Plan:
             "grad_accum": self.grad_accum,
             "global_batch": self.global_batch,
             "requested_global_batch": self.requested_global_batch,
+            "fsdp_grad_sync": self.fsdp_grad_sync,
+            "comm_bytes_per_step": self.comm_bytes_per_step,
+            "fsdp_grad_sync_options": [dict(o) for o in self.grad_sync_options],
             "bucket_cap_mb": self.bucket_cap_mb,
             "bucket": self.bucket.to_dict() if self.bucket is not None else None,
             "dataloader": loader.to_dict() if loader is not None else None,
@@ -128,14 +150,85 @@ def plan(*, model: ModelStats, activations: ActivationProfile, setup: TrainingSe
          list_backed_dataset: bool = False,
          bandwidth_curve: Sequence[tuple[int, float]] | None = None,
          config: GuardConfig = GuardConfig(), auto_micro_batch: bool = False,
-         sample_bytes: float | None = None, pin_memory: bool = True) -> Plan:
+         sample_bytes: float | None = None, pin_memory: bool = True,
+         fsdp_grad_sync: GradSync | str = AUTO_GRAD_SYNC) -> Plan:
     """Plan one data-parallel training job (see the module docstring).
 
     ``setup.micro_batch`` is the micro-batch the verdict is for, unless ``auto_micro_batch``:
     then the planner picks the largest that fits (an exact divisor of the per-rank batch when
     ``global_batch`` is given and one is at least half as large). ``batch_bytes`` is one loader
     batch at the planned micro-batch; ``sample_bytes`` (one sample) is scaled to it instead.
+
+    ``fsdp_grad_sync`` (FSDP only): ``"every_micro_batch"``, ``"last_micro_batch"`` or
+    ``"auto"`` (default: the mode that fits the largest micro-batch, on a tie the one with fewer
+    bytes through the collectives per step). Both modes are planned and kept in
+    :attr:`Plan.grad_sync_options`; ``setup.fsdp_grad_sync`` is replaced by the mode planned.
     """
+    kwargs = dict(model=model, activations=activations, device_memory_bytes=device_memory_bytes,
+                  host_memory_bytes=host_memory_bytes, cpus_per_node=cpus_per_node,
+                  gpus_per_node=gpus_per_node, global_batch=global_batch,
+                  batch_bytes=batch_bytes, list_backed_dataset=list_backed_dataset,
+                  bandwidth_curve=bandwidth_curve, config=config,
+                  auto_micro_batch=auto_micro_batch, sample_bytes=sample_bytes,
+                  pin_memory=pin_memory)
+    wanted = _grad_sync_wanted(fsdp_grad_sync)
+    if setup.strategy not in FSDP_STRATEGIES:
+        return _plan_one(setup=setup, **kwargs)
+    plans = {mode: _plan_one(setup=dataclasses.replace(setup, fsdp_grad_sync=mode), **kwargs)
+             for mode in (GradSync.LAST_MICRO_BATCH, GradSync.EVERY_MICRO_BATCH)}
+
+    def rank(mode: GradSync) -> tuple:
+        p = plans[mode]
+        largest = MAX_MICRO_BATCH_SEARCH if p.max_micro_batch is None else p.max_micro_batch
+        return (p.fits, largest, -p.comm_bytes_per_step)
+
+    chosen = max(plans, key=rank) if wanted == AUTO_GRAD_SYNC else wanted
+    options = tuple(_grad_sync_option(p, mode is chosen) for mode, p in plans.items())
+    other = next(mode for mode in plans if mode is not chosen)
+    why = _grad_sync_reason(plans[chosen], plans[other], wanted == AUTO_GRAD_SYNC)
+    picked = plans[chosen]
+    return dataclasses.replace(picked, grad_sync_options=options, notes=picked.notes + (why,))
+
+
+def _grad_sync_wanted(value: GradSync | str) -> GradSync | str:
+    if value == AUTO_GRAD_SYNC:
+        return AUTO_GRAD_SYNC
+    try:
+        return GradSync(value)
+    except ValueError:
+        choices = ", ".join([m.value for m in GradSync] + [AUTO_GRAD_SYNC])
+        raise PlanInputError("fsdp_grad_sync", "unknown value", value=value,
+                             fix=f"choose one of: {choices}") from None
+
+
+def _grad_sync_option(p: Plan, chosen: bool) -> dict[str, Any]:
+    return {"fsdp_grad_sync": p.setup.fsdp_grad_sync.value, "chosen": chosen, "fits": p.fits,
+            "max_micro_batch": p.max_micro_batch, "micro_batch": p.micro_batch,
+            "grad_accum": p.grad_accum, "total_bytes": p.total_bytes,
+            "peak_phase": p.estimate.peak_phase,
+            "grads_bytes": p.estimate.breakdown.get("grads", 0),
+            "comm_bytes_per_step": p.comm_bytes_per_step}
+
+
+def _grad_sync_reason(chosen: Plan, other: Plan, auto: bool) -> str:
+    def brief(p: Plan) -> str:
+        largest = "no limit" if p.max_micro_batch is None else p.max_micro_batch
+        return (f"{p.setup.fsdp_grad_sync.value}: largest micro-batch {largest}, "
+                f"{format_bytes(p.total_bytes)} at {p.micro_batch} x {p.grad_accum}, "
+                f"{format_bytes(p.comm_bytes_per_step)} through the collectives per step")
+    how = "chosen (auto: the larger micro-batch, then the less communication)" if auto \
+        else "as asked"
+    return f"FSDP gradient sync {chosen.setup.fsdp_grad_sync.value} {how}; {brief(chosen)}; " \
+           f"{brief(other)}"
+
+
+def _plan_one(*, model: ModelStats, activations: ActivationProfile, setup: TrainingSetup,
+              device_memory_bytes: int, host_memory_bytes: int | None,
+              cpus_per_node: int | None, gpus_per_node: int, global_batch: int | None,
+              batch_bytes: int | None, list_backed_dataset: bool, bandwidth_curve,
+              config: GuardConfig, auto_micro_batch: bool, sample_bytes: float | None,
+              pin_memory: bool) -> Plan:
+    """:func:`plan` for one concrete setup (one FSDP gradient sync)."""
     _check_inputs(device_memory_bytes, gpus_per_node, global_batch, batch_bytes, sample_bytes)
     warnings: list[str] = []
     notes: list[str] = []
@@ -212,7 +305,8 @@ def plan(*, model: ModelStats, activations: ActivationProfile, setup: TrainingSe
         requested_global_batch=global_batch, bucket=bucket, dataloader=loader,
         arithmetic=arithmetic(est, budget, device_memory_bytes, config),
         activations_source=activations.source, warnings=tuple(warnings), notes=tuple(notes),
-        headroom_frac=config.headroom_frac)
+        headroom_frac=config.headroom_frac,
+        comm_bytes_per_step=comm_bytes_per_step(model, current))
 
 
 def arithmetic(est: MemoryEstimate, budget: int, device_memory_bytes: int,
