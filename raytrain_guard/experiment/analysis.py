@@ -166,7 +166,8 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     total_steps = int(first.get("total_steps") or 0)
     steps_per_epoch = None
     if num_samples and micro:
-        steps_per_epoch = -(-(-(-num_samples // world)) // micro) // accum
+        per_rank = math.ceil(num_samples / world)           # the sampler pads the shards
+        steps_per_epoch = math.ceil(math.ceil(per_rank / micro) / accum)
     audit0 = audits.get(0, [])
     steps_done = max((int(r["step"]) + 1 for r in audit0), default=0)
     if ends:

@@ -90,8 +90,8 @@ def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[s
         f"{setup.checkpoint_every_steps} steps, collective timeout "
         f"{setup.collective_timeout_s:.0f} s", "",
         f"Device: {result['device']}", "", f"Machine: {result['machine']}", "",
-        f"Memory watermark {guard.memory_watermark_frac:.0%}, critical "
-        f"{guard.memory_critical_frac:.0%}.", "",
+        (f"Memory watermark {guard.memory_watermark_frac:.0%}, critical "
+         f"{guard.memory_critical_frac:.0%}."), "",
         "## Side by side", "", side_by_side(result["arms"]), "",
         "## Faults named", ""]
     for name, arm in result["arms"].items():
@@ -140,8 +140,8 @@ def plot_timeline(out_dir: str, arms: Mapping[str, Mapping[str, Any]], setup: An
             if not steps:
                 continue
             xs = [s for s, _ in steps]
-            style = dict(linestyle=styles.get(arm, "-"), linewidth=1,
-                         label=f"{arm} rank {rank}")
+            style = {"linestyle": styles.get(arm, "-"), "linewidth": 1,
+                     "label": f"{arm} rank {rank}"}
             ax_t.plot(xs, [r["total_s"] * 1000 for _, r in steps], **style)
             ax_m.plot(xs, [r["memory_frac"] if r.get("memory_frac") is not None else float("nan")
                            for _, r in steps], **style)

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import itertools
 import json
 import logging
 import os
@@ -69,8 +70,9 @@ import statistics
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
@@ -122,7 +124,7 @@ class LoopConfig:
     trace_dir: str | None = None                 # per-rank JSON lines of steps and events
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "LoopConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> LoopConfig:
         """Validate ``train_loop_config``; each bad entry raises InputError naming it."""
         if not isinstance(data, Mapping):
             raise InputError("train_loop_config", "must be a dict", value=type(data).__name__,
@@ -438,7 +440,7 @@ class GuardedTrainLoop:
             try:
                 attach_comm_timer(self.planned.module, timer, hook=self.fault_runtime.comm_hook()
                                   if self.fault_runtime is not None else None)
-            except Exception:  # noqa: BLE001 - fail open: no communication wait figures
+            except Exception:
                 logger.warning("rank %d: communication timer not attached", self.rank,
                                exc_info=True)
         self.metrics = _rank_metrics(self.rank, cfg.guard, self.loader)
@@ -453,7 +455,7 @@ class GuardedTrainLoop:
                 return CudaMemoryProbe(self.device, config=self.config.guard)
             return ProcessMemoryProbe(self.config.guard,
                                       local_world_size=max(1, self.ctx.local_world_size))
-        except Exception:  # noqa: BLE001 - fail open: timing rules only
+        except Exception:
             logger.warning("rank %d: no memory probe", self.rank, exc_info=True)
             return None
 
@@ -477,7 +479,7 @@ class GuardedTrainLoop:
         if self.rank < len(guards) and guards[self.rank]:
             try:
                 self.guard.load_state_dict(guards[self.rank])
-            except Exception:  # noqa: BLE001 - fail open: a fresh gate
+            except Exception:
                 logger.warning("rank %d: guard state not restored", self.rank, exc_info=True)
         self.step = int(state["step"])
         self.resumed_from = self.step
@@ -565,7 +567,7 @@ class GuardedTrainLoop:
             if callable(bind):
                 try:
                     bind(self.setup)
-                except Exception:  # noqa: BLE001 - fail open: the policy only lacks the setup
+                except Exception:
                     logger.warning("rank %d: decision source did not take the setup", self.rank,
                                    exc_info=True)
             if cfg.audit_dir:
@@ -609,7 +611,7 @@ class GuardedTrainLoop:
             self._trace.write(json.dumps({"t": kind, "attempt": self.attempt,
                                           "wall": time.time(), **fields}, default=str) + "\n")
             self._trace.flush()
-        except Exception:  # noqa: BLE001 - fail open: the trace is for the report only
+        except Exception:
             logger.debug("rank %d: trace write failed", self.rank, exc_info=True)
 
     def _start_watchdog(self) -> None:
@@ -621,7 +623,7 @@ class GuardedTrainLoop:
                                          step_multiple=guard.hang_step_multiple,
                                          on_hang=self._on_hang, world_rank=self.rank,
                                          node_id=self.ctx.node_id or "")
-        except Exception:  # noqa: BLE001 - fail open: no hang detection
+        except Exception:
             logger.warning("rank %d: no hang watchdog", self.rank, exc_info=True)
 
     def _on_hang(self, record: Mapping[str, Any]) -> None:
@@ -700,7 +702,7 @@ class GuardedTrainLoop:
         if callable(finish):
             try:
                 finish(left)
-            except Exception:  # noqa: BLE001 - fail open: only the last report is lost
+            except Exception:
                 logger.warning("rank %d: decision source finish failed", self.rank,
                                exc_info=True)
 
@@ -713,7 +715,9 @@ class GuardedTrainLoop:
         ``micro_batch``, the last one shorter."""
         loader, mb = self.loader, self.micro_batch
         per_epoch = len(loader)
-        position = loader.batches_consumed % per_epoch if per_epoch else 0
+        # the position in samples of all ranks: right also after a resume on another layout
+        consumed = loader.state_dict()["samples_consumed"]
+        position = -(-consumed // (mb * self.world_size)) % per_epoch if per_epoch else 0
         left = per_epoch - position
         if left < self.grad_accum and self.config.epoch_tail == "drop":
             for _ in range(left):
@@ -816,7 +820,7 @@ class GuardedTrainLoop:
         self._split_pending.append(entry)
         bounds = [size * i // pieces for i in range(pieces + 1)]
         return tuple((map_tensors(batch, lambda t, lo=lo, hi=hi: t[lo:hi]), (hi - lo) / size)
-                     for lo, hi in zip(bounds, bounds[1:]) if hi > lo)
+                     for lo, hi in itertools.pairwise(bounds) if hi > lo)
 
     def _measure_splits(self) -> None:
         """The step's measured peak beside each split's prediction, then into the results."""
@@ -952,7 +956,7 @@ class GuardedTrainLoop:
         try:
             new = self._make_loader(old.dataset, self.micro_batch, num_workers=new_workers)
             new.load_state_dict(old.state_dict())
-        except Exception:  # noqa: BLE001 - fail open: keep the loader it has
+        except Exception:
             logger.warning("rank %d: loader with more workers failed", self.rank, exc_info=True)
             return
         old.close()
@@ -1017,7 +1021,11 @@ class GuardedTrainLoop:
 
     def _shrink(self, decision: Decision) -> None:
         """Apply a SHRINK_MICRO_BATCH at this boundary, or refuse it with the reason (logged and
-        kept in ``batch_changes``). Every rank decides alike: same layout, same dataset length."""
+        kept in ``batch_changes``). Every rank decides alike (same layout, same dataset length)
+        and applies it or none does: each rank builds its new loader, then one round of the
+        control plane says whether every rank could; if one could not, every rank keeps its
+        layout (a rank left on the old one would break exactly-once delivery under DDP and
+        mismatch the collectives under FSDP)."""
         old = (self.micro_batch, self.grad_accum)
         entry = {"step": self.step, "decision_id": decision.decision_id,
                  "from_micro_batch": old[0], "from_grad_accum": old[1],
@@ -1030,13 +1038,24 @@ class GuardedTrainLoop:
             logger.warning("rank %d step %d: shrink refused: %s", self.rank, self.step, verdict)
             self.batch_changes.append({**entry, "applied": False, "reason": verdict})
             return
+        new, failure = None, None
         try:
-            self._rebatch(*verdict)
-        except Exception as exc:  # noqa: BLE001 - fail open: train on with the old layout
-            logger.warning("rank %d step %d: shrink failed, keeping micro_batch %d x grad_accum "
-                           "%d: %r", self.rank, self.step, old[0], old[1], exc, exc_info=True)
-            self.batch_changes.append({**entry, "applied": False, "reason": repr(exc)})
+            new = self._prepare_loader(verdict[0])
+        except Exception as exc:  # noqa: BLE001 - said below, to every rank
+            failure = repr(exc)
+            logger.warning("rank %d step %d: cannot re-batch: %s", self.rank, self.step,
+                           failure, exc_info=True)
+        failed_anywhere, _ = self.control.all_reduce_max(0 if failure is None else 1, 0)
+        if failed_anywhere:
+            if new is not None:
+                new.close()
+            reason = (f"this rank could not re-batch: {failure}" if failure else
+                      "another rank could not re-batch")
+            logger.warning("rank %d step %d: shrink dropped on every rank, keeping micro_batch "
+                           "%d x grad_accum %d: %s", self.rank, self.step, old[0], old[1], reason)
+            self.batch_changes.append({**entry, "applied": False, "reason": reason})
             return
+        self._commit_loader(new, *verdict)
         logger.warning("rank %d step %d: micro_batch %d -> %d, grad_accum %d -> %d (global batch "
                        "%d unchanged, loader rebuilt at sample %d of epoch %d): %s", self.rank,
                        self.step, old[0], verdict[0], old[1], verdict[1],
@@ -1048,6 +1067,10 @@ class GuardedTrainLoop:
     def _rebatch(self, micro_batch: int, grad_accum: int) -> None:
         """Replace the loader by one of ``micro_batch`` at the same epoch position; from the
         next step on, ``grad_accum`` micro-batches make a step."""
+        self._commit_loader(self._prepare_loader(micro_batch), micro_batch, grad_accum)
+
+    def _prepare_loader(self, micro_batch: int) -> Any:
+        """A loader of ``micro_batch`` at the current loader's position and settings."""
         old = self.loader
         new = self._make_loader(old.dataset, micro_batch)
         try:
@@ -1059,10 +1082,15 @@ class GuardedTrainLoop:
         except Exception:
             new.close()
             raise
+        return new
+
+    def _commit_loader(self, new: Any, micro_batch: int, grad_accum: int) -> None:
+        old = self.loader
         old.close()                    # its live iterator ends; _micro_batches reads the new one
         self.loader = new
-        if self.guard.loader_attached:     # the same timer, stamped by the new loader
-            self.guard.attach_loader(new)
+        guard = getattr(self, "guard", None)       # none yet while a resume lays out
+        if guard is not None and guard.loader_attached:     # the same timer, the new loader
+            guard.attach_loader(new)
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         steps_per_epoch = self._steps_per_epoch(new, grad_accum)
         if steps_per_epoch != self.steps_per_epoch:
@@ -1273,7 +1301,7 @@ def _rank_metrics(world_rank: int, guard: GuardConfig, loader: Any) -> Any:
                               critical_frac=guard.memory_critical_frac)
         metrics.record_loader(loader.plan.num_workers, loader.plan.prefetch_factor)
         return metrics
-    except Exception:  # noqa: BLE001 - fail open: no metrics
+    except Exception:
         logger.debug("no ray.util.metrics", exc_info=True)
         return _NoMetrics()
 

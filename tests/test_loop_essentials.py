@@ -1,0 +1,147 @@
+"""The train loop's essentials on one rank in-process (CPU, no Ray): an epoch is an epoch, the
+LR schedule, gradient clipping, precision, and the layout kept at another world size."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from examples import toy
+from raytrain_guard.errors import InputError
+from raytrain_guard.runtime.train_loop import (
+    DirectoryReporter,
+    GuardedTrainLoop,
+    LoopConfig,
+    relayout,
+)
+
+BASE = {"model_factory": toy.make_model, "optimizer_factory": toy.make_optimizer,
+        "loss_fn": toy.loss_fn, "num_workers": 0, "seed": 2, "measure_bandwidth": False,
+        "checkpoint_every_steps": 100}
+
+
+def _loop(tmp_path, **changes):
+    config = LoopConfig.from_dict({**BASE, "dataset_factory": functools.partial(
+        toy.make_dataset, changes.pop("num_samples", 18)), **changes})
+    return GuardedTrainLoop(config, reporter=DirectoryReporter(str(tmp_path)))
+
+
+def _audit(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "audit" / "rank0.jsonl").read_text()
+            .splitlines()]
+
+
+def test_an_epoch_ends_with_a_shorter_step_and_trains_every_sample(tmp_path):
+    # 18 samples in micro-batches of 4: 4, 4, 4, 4, 2. grad_accum 3: steps of 3 and 2
+    # micro-batches, the last weighted 4/6 and 2/6 (the mean over its 6 samples)
+    loop = _loop(tmp_path, micro_batch=4, grad_accum=3, epochs=2,
+                 audit_dir=str(tmp_path / "audit"))
+    results = loop.run()
+    assert results["step"] == results["total_steps"] == 4
+    audit = _audit(tmp_path)
+    assert [(a["step"], a["epoch"], len(a["ids"])) for a in audit] == [
+        (0, 0, 4), (0, 0, 4), (0, 0, 4), (1, 0, 4), (1, 0, 2),
+        (2, 1, 4), (2, 1, 4), (2, 1, 4), (3, 1, 4), (3, 1, 2)]
+    for epoch in (0, 1):
+        assert sorted(i for a in audit if a["epoch"] == epoch for i in a["ids"]) == \
+            list(range(18))
+
+
+def test_the_short_steps_weights_are_the_samples_shares(tmp_path):
+    loop = _loop(tmp_path, micro_batch=4, grad_accum=3)
+    loop._build()
+    batches = iter(loop.loader)
+    assert loop._step_weights(batches) == [1 / 3] * 3
+    for _ in range(3):
+        next(batches)
+    assert loop._step_weights(batches) == pytest.approx([4 / 6, 2 / 6])
+
+
+def test_dropping_the_epoch_tail_skips_the_leftover_micro_batches(tmp_path):
+    loop = _loop(tmp_path, micro_batch=4, grad_accum=3, epochs=2, epoch_tail="drop",
+                 audit_dir=str(tmp_path / "audit"))
+    assert loop.run()["total_steps"] == 2
+    assert [(a["step"], a["epoch"]) for a in _audit(tmp_path)] == [(0, 0)] * 3 + [(1, 1)] * 3
+
+
+def test_the_scheduler_steps_per_optimizer_step_and_is_checkpointed(tmp_path):
+    loop = _loop(tmp_path, micro_batch=6, epochs=2, checkpoint_every_steps=2,
+                 scheduler_factory=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
+    loop.run()                                              # 3 steps an epoch: 6 steps
+    assert loop.optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5 ** 6)
+    reports = loop.reporter.reports
+    assert [r["lr"] for r in reports] == pytest.approx([0.02 * 0.5 ** s for s in (2, 4, 6)])
+    from raytrain_guard.runtime.checkpoint import read_train_state
+    state = read_train_state(tmp_path / "checkpoint_4")
+    assert state["extra"]["scheduler"]["last_epoch"] == 4
+
+
+def test_clipping_bounds_the_update(tmp_path):
+    clipped = _loop(tmp_path / "a", micro_batch=6, max_grad_norm=1e-6)
+    free = _loop(tmp_path / "b", micro_batch=6)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    torch.manual_seed(2)
+    start = toy.make_model().state_dict()
+    clipped.run()
+    free.run()
+    moved = sum((p - start[k]).abs().sum().item()
+                for k, p in clipped.planned.module.state_dict().items())
+    moved_free = sum((p - start[k]).abs().sum().item()
+                     for k, p in free.planned.module.state_dict().items())
+    assert moved < 1e-4 < moved_free
+    assert clipped.reporter.reports[-1]["grad_norm"] > 1e-6     # the norm before clipping
+
+
+def test_amp_bf16_runs_the_forward_under_autocast(tmp_path):
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return toy.loss_fn(model, batch)
+
+    _loop(tmp_path, micro_batch=6, precision="amp-bf16", loss_fn=loss_fn).run()
+    assert seen and all(seen)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"precision": "fp16"}, "precision: unknown precision"),
+    ({"precision": "bf16-master"}, "FSDP2 mixed-precision policies"),
+    ({"max_grad_norm": 0}, "max_grad_norm: must be > 0"),
+    ({"epoch_tail": "spill"}, "epoch_tail: unknown"),
+])
+def test_bad_essentials_name_the_key(changes, match):
+    with pytest.raises(InputError, match=match):
+        LoopConfig.from_dict({**BASE, "dataset_factory": toy.make_dataset, **changes})
+
+
+@pytest.mark.parametrize("global_batch, world, micro, layout", [
+    (24, 1, 4, (4, 6)), (24, 3, 4, (4, 2)), (24, 4, 4, (3, 2)), (16, 4, 8, (4, 1)),
+    (16, 3, 8, None), (8, 8, 4, (1, 1)),
+])
+def test_relayout_keeps_the_global_batch(global_batch, world, micro, layout):
+    assert relayout(global_batch, world, micro) == layout
+
+
+def test_a_resume_that_cannot_keep_the_global_batch_is_refused_unless_allowed(tmp_path):
+    from raytrain_guard.runtime.context import WorkerContext
+
+    def loop(**changes):
+        cfg = LoopConfig.from_dict({**BASE, "dataset_factory": toy.make_dataset,
+                                    "micro_batch": 4, **changes})
+        made = GuardedTrainLoop(cfg, context=WorkerContext(world_rank=0, world_size=3),
+                                reporter=DirectoryReporter(str(tmp_path)))
+        made._build()
+        return made
+
+    keeps = loop()
+    keeps._resume_on_other_world(4, 3, 2)                  # 24 on 3 ranks: 4 x 2
+    assert (keeps.micro_batch, keeps.grad_accum) == (4, 2)
+    with pytest.raises(InputError, match="global batch 16 .* is no multiple of 3"):
+        loop()._resume_on_other_world(4, 2, 2)
+    changed = loop(allow_global_batch_change=True)
+    changed._resume_on_other_world(4, 2, 2)                 # 16 / 3 ranks: 4 x 1 = 12
+    assert changed.batch_changes[-1]["global_batch"] == 12
+    assert "changes the global batch from 16 to 12" in changed.batch_changes[-1]["reason"]

@@ -1,0 +1,90 @@
+"""A shrink is applied by every rank or by none (real gloo processes, no Ray).
+
+Two ranks run the shared train loop with a scripted shrink at step 4. In the first run rank 1
+cannot build its new loader: every rank keeps micro-batch 8 x accumulation 1 and records why.
+In the second run both can: both switch at step 4. Either way every sample of the epoch is
+consumed exactly once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Source:
+    """Every rank hears of the same shrink for step 4 (what lockstep delivers)."""
+
+    def poll(self, step, stats):
+        from raytrain_guard.core.decisions import Action, Decision
+        if step == 2:
+            return [Decision(Action.SHRINK_MICRO_BATCH, "scripted", 4, scope="cluster",
+                             params={"micro_batch": 4, "grad_accum": 2}, decision_id=7)]
+        return []
+
+
+def _worker(rank: int, port: int, out: str, fail_rank: int) -> None:
+    import torch.distributed as dist
+    sys.path.insert(0, str(ROOT))
+    from examples import toy
+    from raytrain_guard.runtime.context import WorkerContext
+    from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+
+    class Loop(GuardedTrainLoop):
+        def _prepare_loader(self, micro_batch):
+            if self.rank == fail_rank:
+                raise OSError("no room for the loader's workers")
+            return super()._prepare_loader(micro_batch)
+
+    config = LoopConfig.from_dict({
+        "model_factory": toy.make_model,
+        "dataset_factory": functools.partial(toy.make_dataset, 128),
+        "optimizer_factory": toy.make_optimizer, "loss_fn": toy.loss_fn, "micro_batch": 8,
+        "num_workers": 0, "measure_bandwidth": False, "checkpoint_every_steps": 100,
+        "decision_source": _Source(), "audit_dir": os.path.join(out, "audit"),
+        "guard": {"lockstep_every_steps": 2}})
+    loop = Loop(config, reporter=DirectoryReporter(out),
+                context=WorkerContext(world_rank=rank, world_size=2))
+    results = loop.run()
+    with open(os.path.join(out, f"result{rank}.json"), "w") as fh:
+        json.dump({"micro_batch": loop.micro_batch, "grad_accum": loop.grad_accum,
+                   "changes": loop.batch_changes, "step": results["step"]}, fh)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fail_rank, layout", [(1, (8, 1)), (-1, (4, 2))])
+def test_a_shrink_is_applied_everywhere_or_nowhere(tmp_path, fail_rank, layout):
+    import torch.multiprocessing as mp
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), fail_rank), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
+    for r, result in enumerate(results):
+        assert (result["micro_batch"], result["grad_accum"]) == layout
+        assert result["step"] == 8                         # 128 / (2 x 8): the global batch kept
+        change = result["changes"][0]
+        assert change["step"] == 4 and change["applied"] == (fail_rank < 0)
+        if fail_rank >= 0:
+            assert ("this rank could not" if r == fail_rank else "another rank could not") \
+                in change["reason"]
+    ids = []
+    for r in (0, 1):
+        for line in (tmp_path / "audit" / f"rank{r}.jsonl").read_text().splitlines():
+            ids.extend(json.loads(line)["ids"])
+    assert sorted(ids) == list(range(128))
