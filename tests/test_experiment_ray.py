@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("matplotlib")
 
-from raytrain_guard import cli  # noqa: E402
+from raytrain_guard import cli
 
 pytestmark = pytest.mark.ray
 

@@ -109,7 +109,7 @@ class FaultSpec:
                 "stop": self.stop, "params": dict(self.params)}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "FaultSpec":
+    def from_dict(cls, d: Mapping[str, Any]) -> FaultSpec:
         return cls(str(d["kind"]), tuple(int(r) for r in d["ranks"]), int(d["start"]),
                    None if d.get("stop") is None else int(d["stop"]), dict(d.get("params", {})))
 

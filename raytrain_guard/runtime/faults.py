@@ -127,8 +127,7 @@ class SimulatedDevice:
                 f"{format_bytes(self.activation_bytes)})")
 
     def _note_peak(self, used: int) -> None:
-        if used > self.step_peak_bytes:
-            self.step_peak_bytes = used
+        self.step_peak_bytes = max(self.step_peak_bytes, used)
 
     def take_step_peak(self) -> int:
         """The peak since the last call; the next step's peak starts from what is held now."""
