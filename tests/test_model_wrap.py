@@ -77,7 +77,8 @@ def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(n)]
 
 
-def _train(planned, optimizer, rank: int, *, steps: int, grad_accum: int) -> list[float]:
+def _train(planned, optimizer, rank: int, *, steps: int, grad_accum: int,
+           between=None) -> list[float]:
     losses = []
     data = _batches(rank, steps * grad_accum)
     for step in range(steps):
@@ -87,6 +88,8 @@ def _train(planned, optimizer, rank: int, *, steps: int, grad_accum: int) -> lis
                 loss = torch.nn.functional.mse_loss(planned.module(x), y) / grad_accum
                 loss.backward()
             losses.append(float(loss))
+            if between is not None and micro < grad_accum - 1:
+                between()
         optimizer.step()
         optimizer.zero_grad()
     return losses
@@ -181,9 +184,45 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             "params": _full_params(planned), "optimizer": type(optimizer).__name__,
             "groups": [[len(g["params"]), g["lr"], g["weight_decay"]]
                        for g in optimizer.param_groups]}
+
+    # 7. FSDP2 gradient sync under accumulation (3 steps x 2 micro-batches, as in 3): between
+    #    micro-batches every_micro_batch holds sharded gradients (DTensor local shards) and
+    #    last_micro_batch none on the shards, the unsharded ones on FSDP's gathered parameters.
+    for strategy in ("fsdp-full", "fsdp-grad-op"):
+        for sync in ("every_micro_batch", "last_micro_batch"):
+            planned = wrap_model(_mlp(), strategy=strategy, use_ray=False, fsdp_grad_sync=sync)
+            optimizer = torch.optim.SGD(planned.module.parameters(), lr=0.1, momentum=0.9)
+            seen: list[dict] = []
+            _train(planned, optimizer, rank, steps=3, grad_accum=2,
+                   between=lambda seen=seen, m=planned.module: seen.append(_grad_layout(m)))
+            out[f"sync-{strategy}-{sync}"] = {"params": _full_params(planned), "seen": seen,
+                                              **planned.describe()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
     dist.destroy_process_group()
+
+
+def _grad_layout(module) -> dict:
+    """Elements of gradient this rank holds: on the sharded parameters (DTensor local shards)
+    and on FSDP2's unsharded parameters (its private ``FSDPParam._unsharded_param``: where the
+    gradients of a micro-batch without sync wait)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    sharded = [p.grad for p in module.parameters() if p.grad is not None]
+    unsharded = 0
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                full = getattr(fsdp_param, "_unsharded_param", None)
+                grad = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+                if grad is None and full is not None:
+                    grad = full.grad
+                unsharded += grad.numel() if grad is not None else 0
+    return {"sharded": sum(g.to_local().numel() for g in sharded),
+            "all_dtensor": all(isinstance(g, DTensor) for g in sharded),
+            "unsharded": unsharded,
+            "full": sum(p.numel() for p in module.parameters())}
 
 
 def _close(a: list[list[float]], b: list[list[float]]) -> bool:
@@ -291,3 +330,28 @@ def test_bad_inputs_name_the_field():
         wrap_model(torch.nn.Linear(2, 2), bucket_cap_mb=0, use_ray=False)
     with pytest.raises(InputError, match="model: is not a torch.nn.Module"):
         wrap_model(object(), use_ray=False)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-full", "fsdp-grad-op"])
+def test_fsdp_grad_sync_modes(ranks, strategy):
+    # the MLP: 16*32+32 + 32*32+32 + 32+1 = 1633 parameters; each rank's shards hold about half
+    for rank in ranks:
+        every = rank[f"sync-{strategy}-every_micro_batch"]
+        last = rank[f"sync-{strategy}-last_micro_batch"]
+        assert (every["fsdp_grad_sync"], last["fsdp_grad_sync"]) == \
+            ("every_micro_batch", "last_micro_batch")
+        assert len(every["seen"]) == len(last["seen"]) == 3     # once per step, between
+        for seen in every["seen"]:   # reduce-scattered: sharded gradients, nothing unsharded
+            assert seen["all_dtensor"] and seen["unsharded"] == 0
+            assert 0 < seen["sharded"] < seen["full"] == 1633
+        for seen in last["seen"]:    # held unsharded: the whole model's, none on the shards
+            assert seen["sharded"] == 0 and seen["unsharded"] == seen["full"] == 1633
+        # same data, same init: both modes end at the same weights, and at DDP's
+        assert _close(every["params"], last["params"])
+        assert _close(every["params"], rank["ddp"]["params"])
+
+
+def test_wrap_model_refuses_auto_grad_sync():
+    with pytest.raises(InputError, match="fsdp_grad_sync.*Plan.fsdp_grad_sync"):
+        wrap_model(torch.nn.Linear(2, 2), strategy="fsdp-full", use_ray=False,
+                   fsdp_grad_sync="auto")

@@ -14,7 +14,10 @@
   (``reshard_after_forward=False``, ZeRO-2); ``fsdp-full`` reshards them (ZeRO-3).
 
 :meth:`PlannedModel.grad_sync` is the one switch for gradient accumulation: ``no_sync()`` under
-DDP, ``set_requires_gradient_sync`` under FSDP2.
+DDP, ``set_requires_gradient_sync`` under FSDP2. Under FSDP2 it honours the planned
+``fsdp_grad_sync`` (:class:`~raytrain_guard.core.memory_model.GradSync`): ``last_micro_batch``
+skips the reduce-scatter until the last micro-batch (unsharded gradients are held in between),
+``every_micro_batch`` reduce-scatters every micro-batch (gradients stay sharded).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from raytrain_guard.core.memory_model import Strategy
+from raytrain_guard.core.memory_model import DEFAULT_GRAD_SYNC, GradSync, Strategy
 from raytrain_guard.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -72,14 +75,18 @@ class PlannedModel:
     bucket_cap_mb: float | None = None
     gradient_as_bucket_view: bool = False
     applied: dict[str, Any] = field(default_factory=dict)
+    fsdp_grad_sync: GradSync = DEFAULT_GRAD_SYNC
 
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool) -> Iterator[None]:
         """Within this block, backward synchronizes gradients only if ``enabled``.
 
         Use ``grad_sync(False)`` for all but the last micro-batch of an accumulation window.
+        Under FSDP2 with ``fsdp_grad_sync`` ``every_micro_batch`` nothing is skipped: every
+        backward reduce-scatters, so the accumulated gradients stay sharded.
         """
-        if enabled or self.kind == KIND_LOCAL:
+        if enabled or self.kind == KIND_LOCAL or (
+                self.kind == KIND_FSDP2 and self.fsdp_grad_sync is GradSync.EVERY_MICRO_BATCH):
             yield
         elif self.kind == KIND_DDP:
             with self.module.no_sync():
@@ -119,13 +126,15 @@ class PlannedModel:
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.strategy.value, "kind": self.kind,
                 "bucket_cap_mb": self.bucket_cap_mb,
+                "fsdp_grad_sync": self.fsdp_grad_sync.value,
                 "gradient_as_bucket_view": self.gradient_as_bucket_view, **self.applied}
 
 
 def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,
                bucket_cap_mb: float | None = None, gradient_as_bucket_view: bool = False,
                device: Any = None, use_ray: bool | None = None,
-               precision: str = "fp32") -> PlannedModel:
+               precision: str = "fp32",
+               fsdp_grad_sync: GradSync | str = DEFAULT_GRAD_SYNC) -> PlannedModel:
     """Wrap ``model`` for data-parallel training as planned.
 
     ``use_ray``: go through ``ray.train.torch.prepare_model`` (default: when running inside a
@@ -133,12 +142,15 @@ def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,
     size is 1, and the module is only moved to ``device``). ``precision`` (the planner's):
     under FSDP2 ``bf16-master`` is ``MixedPrecisionPolicy(param_dtype=bf16,
     reduce_dtype=fp32)`` over fp32 shards and ``bf16`` is bf16 throughout; ``fp32`` and
-    ``amp-bf16`` (the loop's autocast) leave the module's dtypes alone.
+    ``amp-bf16`` (the loop's autocast) leave the module's dtypes alone. ``fsdp_grad_sync``: the
+    plan's (``Plan.fsdp_grad_sync``), ``every_micro_batch`` or ``last_micro_batch`` (default,
+    the memory model's); :meth:`PlannedModel.grad_sync` applies it under FSDP2 only.
     """
     import torch
     import torch.distributed as dist
 
     strategy = parse_strategy(strategy)
+    sync = parse_grad_sync(fsdp_grad_sync)
     if bucket_cap_mb is not None and not bucket_cap_mb > 0:
         raise InputError("bucket_cap_mb", "must be > 0", value=bucket_cap_mb,
                          fix="pass the planner's bucket_cap_mb, or None for DDP's default 25")
@@ -155,10 +167,13 @@ def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,
     if world_size == 1:
         model = model.to(device)
         return PlannedModel(model, model, strategy, KIND_LOCAL, bucket_cap_mb,
-                            gradient_as_bucket_view, {"world_size": 1})
+                            gradient_as_bucket_view, {"world_size": 1}, sync)
 
     if strategy in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP):
-        return _wrap_fsdp2(model, strategy, device, use_ray, world_size, precision)
+        planned = _wrap_fsdp2(model, strategy, device, use_ray, world_size, precision)
+        planned.fsdp_grad_sync = sync
+        logger.info("FSDP2 gradient sync under accumulation: %s", sync.value)
+        return planned
 
     kwargs: dict[str, Any] = {"gradient_as_bucket_view": bool(gradient_as_bucket_view)}
     if bucket_cap_mb is not None:
@@ -173,11 +188,26 @@ def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,
     planned = PlannedModel(wrapped, wrapped.module, strategy, KIND_DDP, bucket_cap_mb,
                            bool(gradient_as_bucket_view),
                            {"world_size": world_size,
-                            "bucket_cap_bytes": int(wrapped.bucket_bytes_cap)})
+                            "bucket_cap_bytes": int(wrapped.bucket_bytes_cap)}, sync)
     logger.info("wrapped model in DDP (%s): bucket_cap_mb=%s gradient_as_bucket_view=%s",
                 strategy.value, bucket_cap_mb if bucket_cap_mb is not None else "25 (default)",
                 gradient_as_bucket_view)
     return planned
+
+
+def parse_grad_sync(value: Any, *, field_name: str = "fsdp_grad_sync") -> GradSync:
+    """``"every_micro_batch"`` / ``"last_micro_batch"`` (or a GradSync) -> GradSync. ``"auto"``
+    is the planner's to resolve (``Plan.fsdp_grad_sync``), not the wrapper's."""
+    if isinstance(value, GradSync):
+        return value
+    text = str(value).strip().lower().replace("-", "_")
+    try:
+        return GradSync(text)
+    except ValueError:
+        fix = "pass the plan's choice (Plan.fsdp_grad_sync)" if text == "auto" else \
+            "use every_micro_batch or last_micro_batch"
+        raise InputError(field_name, "is not a gradient sync mode the wrapper applies",
+                         value=value, fix=fix) from None
 
 
 def _wrap_fsdp2(model: Any, strategy: Strategy, device: Any, use_ray: bool,
