@@ -1,17 +1,15 @@
-"""Checkpoint of the shared train loop: everything a restarted run needs to continue exactly.
+"""Checkpoints of the shared train loop: everything a restarted run needs to continue exactly.
 
-One file, ``train_state.pt``, written by rank 0 into a fresh directory: the model and optimizer
-state (full, unsharded: a DDP, ZeRO-1 or FSDP2 run writes the same portable file), the step,
-the loader position (``{"epoch", "batches_consumed", "seed"}``), each rank's gate state and each
-rank's RNG states (torch, Python, NumPy when present), gathered to rank 0.
+What the loop writes and resumes from is sharded (:func:`save_sharded`, :func:`load_sharded`):
+every rank writes its own part of model and optimizer with ``torch.distributed.checkpoint``
+and rank 0 a small meta file (step, loader position, every rank's RNG and gate state, losses,
+batch layout, scheduler); a resume on any world size reads back the parts each rank holds now.
+No rank gathers the whole model, and the meta file loads with ``weights_only=True``.
 
-:func:`gather_train_state` is a collective (every rank calls it; FSDP2 gathers shards, ZeRO-1
-consolidates the optimizer, RNG states are all-gathered), as is :func:`gather_objects` (the
-end-of-run results); :func:`write_train_state` and
-:func:`read_train_state` are file I/O; :func:`restore_train_state` loads the model, optimizer and
-this rank's RNG states on every rank from a state it holds; :func:`load_train_state` (what the
-train loop resumes with) reads the file on rank 0 only and broadcasts it, so a node with
-``N`` ranks holds one host copy of the checkpoint, not ``N``.
+The one-file functions (:func:`gather_train_state` to rank 0, :func:`write_train_state`,
+:func:`read_train_state`, :func:`load_train_state` with its broadcast from rank 0) make a
+portable, unsharded copy of a run, e.g. to hand a model on; :func:`gather_objects` is the
+end-of-run results' gather.
 """
 
 from __future__ import annotations
@@ -218,3 +216,114 @@ def _must_be(directory: str | os.PathLike[str] | None) -> str | os.PathLike[str]
 
 def _is_zero(optimizer: Any) -> bool:
     return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+
+
+# -- sharded checkpoints (torch.distributed.checkpoint) ----------------------------------------
+
+META_FILE = "train_meta.pt"
+SHARDED_FORMAT_VERSION = 2
+
+
+def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any, *,
+                 step: int, loader_state: Mapping[str, Any],
+                 guard_state: Mapping[str, Any] | None, extra: Mapping[str, Any] | None = None,
+                 loss: float | None = None) -> dict[str, Any]:
+    """Every rank writes its own shard of model and optimizer into ``directory`` with
+    ``torch.distributed.checkpoint`` (FSDP2's DTensors stay sharded; DDP's replicated tensors
+    are written once); rank 0 adds :data:`META_FILE` (step, loader, every rank's RNG and gate
+    state, losses, extra), gathered with one small ``all_gather_object``. A collective: every
+    rank calls it, each with a directory of its own or a shared one (Ray Train merges the
+    ranks' directories of one report). No rank holds more than its shard. ZeRO-1's optimizer
+    is consolidated on rank 0 (ZeroRedundancyOptimizer has no sharded state dict) and written
+    in the meta file. Returns the meta (every rank's view)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world_size = dist.get_world_size() if distributed else 1
+    zero = _is_zero(optimizer)
+    state: dict[str, Any] = {"model": get_model_state_dict(planned.module)}
+    zero_state = None
+    if zero:
+        optimizer.consolidate_state_dict(to=0)
+        zero_state = optimizer.state_dict() if rank == 0 else None
+    else:
+        state["optimizer"] = get_optimizer_state_dict(planned.module, optimizer)
+    os.makedirs(directory, exist_ok=True)
+    dcp.save(state, checkpoint_id=str(directory), no_dist=not distributed)
+    per_rank = {"rng": _portable(rng_state()), "guard": dict(guard_state or {}), "loss": loss}
+    gathered = gather_objects(per_rank)
+    meta = {"format_version": SHARDED_FORMAT_VERSION, "step": int(step),
+            "world_size": world_size, "strategy": planned.strategy.value,
+            "loader": dict(loader_state), "rng": [g["rng"] for g in gathered],
+            "guard": [g["guard"] for g in gathered], "losses": [g["loss"] for g in gathered],
+            "extra": dict(extra or {}), "zero_optimizer": zero_state}
+    if rank == 0:
+        tmp = os.path.join(directory, META_FILE + ".tmp")
+        torch.save(meta, tmp)
+        os.replace(tmp, os.path.join(directory, META_FILE))
+    return meta
+
+
+def load_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any, *,
+                 world_rank: int) -> dict[str, Any]:
+    """Resume from :func:`save_sharded`'s ``directory`` on any world size: every rank reads the
+    small meta file (``weights_only=True``: tensors, numbers and strings only) and, through
+    ``torch.distributed.checkpoint``, the parts of the shards it now holds (FSDP2 is resharded
+    to the new mesh). A collective. Returns the meta without the optimizer state."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    path = os.path.join(directory, META_FILE)
+    if not os.path.exists(path):
+        raise InputError("checkpoint", f"has no {META_FILE}", value=str(directory),
+                         fix="resume only from checkpoints written by the raytrain_guard loop")
+    meta = torch.load(path, map_location="cpu", weights_only=True)
+    if meta.get("format_version") != SHARDED_FORMAT_VERSION:
+        raise InputError("checkpoint", "unknown format version", value=meta.get("format_version"),
+                         fix=f"write it with this version of raytrain_guard "
+                             f"({SHARDED_FORMAT_VERSION})")
+    zero = _is_zero(optimizer)
+    state: dict[str, Any] = {"model": get_model_state_dict(planned.module)}
+    if not zero:
+        state["optimizer"] = get_optimizer_state_dict(planned.module, optimizer)
+    distributed = dist.is_available() and dist.is_initialized()
+    dcp.load(state, checkpoint_id=str(directory), no_dist=not distributed)
+    set_model_state_dict(planned.module, state["model"])
+    if zero:
+        optimizer.load_state_dict(meta["zero_optimizer"])
+    else:
+        set_optimizer_state_dict(planned.module, optimizer, state["optimizer"])
+    rngs = meta.get("rng") or []
+    if world_rank < len(rngs):
+        set_rng_state(_native(rngs[world_rank]))
+    meta.pop("zero_optimizer", None)
+    logger.info("rank %d: restored step %d from shards (loader %s)", world_rank, meta["step"],
+                meta.get("loader"))
+    return meta
+
+
+def _portable(state: Mapping[str, Any]) -> dict[str, Any]:
+    """RNG states with NumPy's array as a list: loadable with ``weights_only=True``."""
+    out = dict(state)
+    if "numpy" in out:
+        name, keys, pos, has_gauss, cached = out["numpy"]
+        out["numpy"] = (name, [int(k) for k in keys], pos, has_gauss, cached)
+    return out
+
+
+def _native(state: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(state)
+    if "numpy" in out:
+        import numpy
+        name, keys, pos, has_gauss, cached = out["numpy"]
+        out["numpy"] = (name, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached)
+    return out

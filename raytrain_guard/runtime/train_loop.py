@@ -460,15 +460,14 @@ class GuardedTrainLoop:
             return None
 
     def _resume(self) -> None:
-        from raytrain_guard.runtime.checkpoint import load_train_state
+        from raytrain_guard.runtime.checkpoint import load_sharded
 
         with self.reporter.latest_checkpoint_dir() as directory:
             if directory is None:
                 self.resumed_from = None
                 return
-            # rank 0 reads the file, the other ranks receive model, optimizer and the rest
-            state = load_train_state(directory, self.planned, self.optimizer,
-                                     world_rank=self.rank)
+            # every rank reads the parts of the shards it holds now (resharded to this world)
+            state = load_sharded(directory, self.planned, self.optimizer, world_rank=self.rank)
         extra = state.get("extra", {})
         self._resume_batch_layout(extra.get("batch"), int(state.get("world_size",
                                                                      self.world_size)))
@@ -1148,22 +1147,29 @@ class GuardedTrainLoop:
 
     # -- checkpoints and results -----------------------------------------------------------------
     def _checkpoint(self, metrics: Mapping[str, Any]) -> None:
-        """Gather the state (a collective), rank 0 writes it, every rank reports."""
-        from raytrain_guard.runtime.checkpoint import gather_train_state, write_train_state
+        """Every rank writes its shard (a collective: :func:`~raytrain_guard.runtime.checkpoint.
+        save_sharded`) into a directory of its own and reports it; Ray Train merges the ranks'
+        directories of one report into one checkpoint. No rank gathers the whole model."""
+        from raytrain_guard.runtime.checkpoint import save_sharded
 
-        state = gather_train_state(
-            self.planned, self.optimizer, step=self.step, loader_state=self.loader.state_dict(),
-            guard_state=self.guard.state_dict(),
-            extra={"batch": {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
-                             "changes": self.batch_changes},
-                   "scheduler": self.scheduler.state_dict() if self.scheduler is not None
-                   else None},
-            loss=float(self._last_loss) if self._last_loss is not None else None)
-        # rank 0 reports the mean over ranks (it rode on the checkpoint's gather); the others
-        # their own
-        losses = [x for x in (state or {}).get("losses", ()) if x is not None]
-        loss = (sum(losses) / len(losses) if losses else
-                float(self._last_loss) if self._last_loss is not None else None)
+        with tempfile.TemporaryDirectory(prefix="rtg-ckpt-") as tmp:
+            meta = save_sharded(
+                tmp, self.planned, self.optimizer, step=self.step,
+                loader_state=self.loader.state_dict(), guard_state=self.guard.state_dict(),
+                extra={"batch": {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                                 "changes": self.batch_changes},
+                       "scheduler": self.scheduler.state_dict() if self.scheduler is not None
+                       else None},
+                loss=float(self._last_loss) if self._last_loss is not None else None)
+            self.reporter.report(self._report_metrics(meta, metrics), tmp)
+        logger.info("rank %d: checkpoint at step %d", self.rank, self.step)
+
+    def _report_metrics(self, meta: Mapping[str, Any], metrics: Mapping[str, Any]
+                        ) -> dict[str, Any]:
+        """The step, the loss averaged over ranks (it rode on the checkpoint's gather), the
+        gradient norm and learning rate, and ``metrics``."""
+        losses = [x for x in meta.get("losses", ()) if x is not None]
+        loss = sum(losses) / len(losses) if losses else None
         report = {"step": self.step, "loss": loss, **metrics}
         if self._grad_norm is not None:
             report["grad_norm"] = float(self._grad_norm.full_tensor()
@@ -1171,13 +1177,7 @@ class GuardedTrainLoop:
                                         else self._grad_norm)
         if self.scheduler is not None:
             report["lr"] = float(self.scheduler.get_last_lr()[0])
-        with tempfile.TemporaryDirectory(prefix="rtg-ckpt-") as tmp:
-            directory = None
-            if state is not None:
-                write_train_state(tmp, state)
-                directory = tmp
-            self.reporter.report(report, directory)
-        logger.info("rank %d: checkpoint at step %d", self.rank, self.step)
+        return report
 
     def _finish(self, wall_s: float) -> dict[str, Any]:
         """Final figures; rank 0 names stragglers across ranks; a last checkpoint + report."""
