@@ -45,3 +45,13 @@ class PlanInputError(InputError):
 
 class TraceError(PlanInputError):
     """The user's model could not be traced on the fake or meta device."""
+
+
+def check_int(field: str, value: object, *, at_least: int = 0, fix: str = "",
+              error: type[InputError] = InputError) -> int:
+    """``value`` if it is an integer >= ``at_least`` (a bool is not), else ``error`` naming
+    ``field``: the package's one integer check for user input."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < at_least:
+        raise error(field, f"must be an integer >= {at_least}", value=value,
+                    fix=fix or f"set {field} to an integer >= {at_least}")
+    return value

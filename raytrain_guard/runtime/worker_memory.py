@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from raytrain_guard.errors import InputError
+from raytrain_guard.errors import check_int
 from raytrain_guard.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -55,10 +55,8 @@ class GrowthDetector:
     """
 
     def __init__(self, *, num_samples: int, min_growth_bytes: int) -> None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
-            raise InputError("num_samples", "must be an integer >= 2 (growth needs two samples)",
-                             value=num_samples,
-                             fix="set GuardConfig.worker_memory_growth_samples to 2 or more")
+        check_int("num_samples", num_samples, at_least=2,   # growth needs two samples
+                  fix="set GuardConfig.worker_memory_growth_samples to 2 or more")
         self._window: deque[tuple[float, int]] = deque(maxlen=num_samples)
         self._min_growth = int(min_growth_bytes)
 

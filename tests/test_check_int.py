@@ -1,0 +1,31 @@
+"""The package's one integer check for user input (raytrain_guard.errors.check_int)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from raytrain_guard.errors import InputError, PlanInputError, check_int
+
+
+@pytest.mark.parametrize("value", [True, False, 1.0, "3", (), -1])
+def test_bools_floats_text_and_values_below_the_bound_are_refused(value):
+    with pytest.raises(InputError) as err:
+        check_int("num_workers", value, fix="use None to let the guard size it")
+    assert err.value.field == "num_workers" and err.value.value is value
+    assert str(err.value) == (f"num_workers: must be an integer >= 0 (got {value!r}); use None "
+                              "to let the guard size it")
+
+
+def test_an_integer_at_or_above_the_bound_is_returned():
+    assert check_int("batch_size", 1, at_least=1) == 1
+    assert check_int("epoch", 0) == 0
+
+
+def test_the_error_class_and_default_fix_follow_the_caller():
+    with pytest.raises(PlanInputError) as err:
+        check_int("--workers", 0, at_least=1, error=PlanInputError)
+    assert err.value.fix == "set --workers to an integer >= 1"
+    again = pickle.loads(pickle.dumps(err.value))       # crosses actor boundaries
+    assert type(again) is PlanInputError and str(again) == str(err.value)
