@@ -230,7 +230,7 @@ def test_state_saved_after_the_last_batch_resumes_at_the_next_epoch(loaders):
     (64, 4, 16, 2, (16, 4)),             # the machine is the tighter one
 ])
 def test_host_memory_is_narrowed_to_the_cgroup(total, available, limit, usage, expected):
-    from raytrain_guard.runtime.loader import within_cgroup
+    from raytrain_guard.host_memory import within_cgroup
 
     assert within_cgroup(total, available, limit, usage) == expected
 
@@ -269,7 +269,7 @@ def test_prefetch_factor_and_persistent_workers_reach_torch(loaders):
     torch_loader = loader.torch_loader
     assert torch_loader.num_workers == 3 and torch_loader.prefetch_factor == 8
     assert torch_loader.persistent_workers
-    assert loader._torch_iter._prefetch_factor == 8
+    assert loader._pipeline.torch_iter._prefetch_factor == 8
     pids = loader.worker_pids()
     assert len(pids) == 3
     epoch_of(loader)
@@ -308,7 +308,7 @@ def test_request_prefetch_factor_applies_at_the_next_batch_without_loss_or_repea
     assert loader.plan.prefetch_factor == 2 and loader.prefetch_factor == 2
     assert "capped at 2 by request" in loader.plan.reason
     got += [int(v) for v in next(it).tolist()]
-    assert loader.torch_loader.prefetch_factor == 2 and loader._torch_iter._prefetch_factor == 2
+    assert loader.torch_loader.prefetch_factor == 2 and loader._pipeline.torch_iter._prefetch_factor == 2
     assert loader.worker_pids() != pids and len(loader.worker_pids()) == 2
     got += [int(v) for batch in it for v in batch.tolist()]
     assert sorted(got) == list(range(40))                  # nothing lost, nothing repeated
@@ -513,7 +513,7 @@ def test_background_stage_counts_delivered_batches_not_fetched_ones(loaders):
     loader = loaders(IndexDataset(40), 4, num_workers=2, seed=1, device_prefetch_depth=3)
     it = iter(loader)
     first = next(it).tolist()
-    stage = loader._stage
+    stage = loader._pipeline.stage
     deadline = time.monotonic() + 10
     while stage.num_ready < 3 and time.monotonic() < deadline:    # the thread fills its depth
         time.sleep(0.01)

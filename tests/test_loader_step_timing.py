@@ -112,9 +112,9 @@ def test_attached_loader_gives_the_loops_own_figures(grad_accum, timer_kind):
         if timer_kind == "events" and not explicit:
             # the loader calls the timer: begin where a step's first fetch starts, a data mark
             # per fetch (the loop's own marks: forward, backward per micro-batch, optimizer)
-            step_calls = ["begin -2"] + ["data", "forward", "backward"] * grad_accum + \
-                ["optimizer"]
-            assert guard.timer.calls == step_calls * 4
+            assert guard.timer.calls == [
+                call for step in range(4) for call in
+                [f"begin {step}"] + ["data", "forward", "backward"] * grad_accum + ["optimizer"]]
     assert got[False] == got[True]
     # each fetch reads 2 samples (0.02 s): the data phase is the fetches only; the 5 s between
     # steps (the loop's own work) is in no step
@@ -176,22 +176,40 @@ def test_an_epoch_change_inside_a_step_counts_as_data_wait():
     assert step1.data_wait_s == pytest.approx(0.52) and step1.total_s == pytest.approx(0.52)
 
 
-def test_attach_is_refused_where_the_loader_cannot_stamp():
+def test_attach_works_on_any_timer_clock_and_with_a_fault_injector():
+    # the loader calls the guard, which stamps with its own timer: a timer on another clock
+    # than the loader's is fine, and the injector's data delays run in the loader's data mark
     clock = Clock()
     loader = make(TimedDataset(8, clock), clock)
-    # another clock than the loader's
-    assert not StepGuard(GuardConfig()).attach_loader(loader)
-    # a fault injector: its data delays run in mark("data")
-    injected = StepGuard(GuardConfig(), timer=StepTimer(clock=clock),
-                         fault_injector=FaultInjector())
-    assert not injected.attach_loader(loader) and not injected.loader_attached
+    other = Clock()
+    guard = StepGuard(GuardConfig(gate_batch_steps=1), timer=StepTimer(clock=other))
+    assert guard.attach_loader(loader)
+    batches = iter(loader)
+    next(batches)
+    other.now += 0.3
+    guard.end_step(0)
+    assert guard.drain_stats()[0].total_s == pytest.approx(0.3)   # the timer's own clock
 
-    # a loader that fails: the guard fails open, the loop marks as before
+    def sleep(seconds):
+        clock.now += seconds
+
+    injector = FaultInjector(sleep=sleep)
+    injector.delay(0.5, phase="data")
+    injected = StepGuard(GuardConfig(gate_batch_steps=1), timer=StepTimer(clock=clock),
+                         fault_injector=injector)
+    assert injected.attach_loader(loader) and injected.loader_attached
+    stats = run(injected, loader, clock, 2, explicit=False)
+    assert injector.num_delays == 2
+    assert [round(s.data_wait_s, 6) for s in stats] == [0.52, 0.52]   # fetch 0.02 + 0.5
+
+
+def test_a_failing_loader_leaves_the_loop_marking():
+    # the guard fails open: the loop marks as before
     class Broken:
-        def time_steps(self, timer):
+        def time_steps(self, steps):
             raise RuntimeError("bug")
 
-    guard = guard_on(clock)
+    guard = guard_on(Clock())
     assert not guard.attach_loader(Broken()) and not guard.loader_attached
 
 

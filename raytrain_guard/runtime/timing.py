@@ -1,30 +1,9 @@
-"""Step timing: cheap phase marks and a DDP communication hook that times the allreduce.
+"""Step timing: cheap phase marks, and a DDP communication hook that times the allreduce.
 
-Definitions (seconds, per rank and step):
-
-* ``total_s``: from :meth:`StepTimer.begin_step` (or the end of the previous step) to
-  :meth:`StepTimer.finish_step`.
-* a phase (``data``, ``forward``, ``backward``, ``optimizer``): the time between the previous
-  mark and :meth:`StepTimer.mark` of that phase (a lap timer), or the body of
-  ``with timer.phase(name)``. Repeated marks of one phase in a step add up (micro-batches).
-* ``optimizer`` needs no mark of its own: a step whose last mark is ``backward`` counts the
-  time from it to the step's end as ``optimizer`` (what follows the backward pass of a
-  training step is the optimizer's update). A loop that marks ``optimizer`` leaves whatever
-  follows that mark untimed (part of ``total_s``, of no phase), as after any other last mark.
-* ``comm_wait_s``: what the step waited on the network after its backward compute, i.e. the
-  completion of the last bucket's allreduce future minus the moment the last bucket became
-  ready (DDP's ``bucket.is_last()``: the end of the backward compute), 0 when that completion
-  came first (fully overlapped) or when no hook ran (no DDP, ``no_sync``). Earlier buckets count
-  when they complete after the last one became ready. DDP's ``backward()`` only returns once
-  every bucket is reduced, so the backward mark includes this wait: ``backward_s`` is reported
-  without it (backward mark minus ``comm_wait_s``), and ``compute_s`` excludes it.
-
-On CPU the clock is ``time.perf_counter`` and :meth:`StepTimer.finish_step` returns the step
-it finishes. On CUDA every stamp is a ``torch.cuda.Event`` recorded on the current stream (the
-GPU timeline); :meth:`~StepTimer.finish_step` never synchronizes: it returns the oldest earlier
-step whose events all report ``query()`` done (normally the previous step), or ``None``. The
-events come from a pool: a finished (or dropped) step gives its events back, so a steady loop
-creates no new event after its first few steps.
+:class:`StepTimer` stamps a step's phases (host clock on CPU, CUDA events on CUDA, never
+synchronized) and sums them into :class:`~raytrain_guard.core.steps.StepStats`;
+:func:`attach_comm_timer` adds the communication wait. What each figure means:
+docs/train_loop.md, "Step timings".
 """
 
 from __future__ import annotations
@@ -48,12 +27,6 @@ _SLOT = {"data": 0, "data_wait": 0, "forward": 1, "backward": 2, "optimizer": 3}
 _BACKWARD, _OPTIMIZER = _SLOT["backward"], _SLOT["optimizer"]
 #: the slot of a stamp that ends no phase (a step's start, its end)
 UNTIMED = -1
-#: ``_StepRecord.step`` of a record nobody began yet (opened where the previous step ended),
-#: and of one a GuardedDataLoader began (see :meth:`StepTimer.loader_stamps`)
-NOT_BEGUN = -1
-BEGUN_BY_LOADER = -2
-#: the slot of a ``data`` mark
-DATA_SLOT = _SLOT["data"]
 
 
 class _StepRecord:
@@ -62,7 +35,7 @@ class _StepRecord:
     __slots__ = ("done", "last_ready", "lender", "lends_end", "marks", "released", "step")
 
     def __init__(self, start: Any, lender: "_StepRecord | None" = None) -> None:
-        self.step = NOT_BEGUN
+        self.step: int | None = None     # None: nobody began it (it opened where the last ended)
         self.marks: list[tuple[int, Any]] = [(UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
@@ -142,24 +115,20 @@ class StepTimer:
         self._pending: deque[_StepRecord] = deque()
         self._dropped = 0
         self._events = _EventPool() if self._cuda else None
-        #: called (no argument) by a GuardedDataLoader stamping this timer before it opens a
-        #: step: StepGuard's pacing sleep while it paces (:meth:`StepGuard.attach_loader`)
-        self.before_step: Callable[[], None] | None = None
-        if not self._cuda:
-            self._stamp = clock          # type: ignore[method-assign]  # a call less per mark
         self._record = _StepRecord(self._stamp())
 
     def begin_step(self, step: int) -> None:
         """Start timing ``step`` now (optional: a step otherwise starts where the last ended)."""
-        record = self._record
         if self._events is not None:
-            self._events.discard(record)
-        elif len(record.marks) == 1 and record.last_ready is None and not record.done:
-            record.marks[0] = (UNTIMED, self._stamp())    # untouched since it was opened:
-            record.step = step                             # restart it, one allocation less
-            return
+            self._events.discard(self._record)
         self._record = _StepRecord(self._stamp())
         self._record.step = step
+
+    @property
+    def step_begun(self) -> bool:
+        """Whether the current step was begun or stamped since the previous one closed: a
+        data loader that opens steps (:meth:`StepGuard.attach_loader`) opens only the others."""
+        return self._record.step is not None or len(self._record.marks) > 1
 
     def mark(self, phase: str) -> None:
         """End ``phase`` now: the time since the previous mark is counted as ``phase``."""
@@ -205,17 +174,6 @@ class StepTimer:
             return stats
         return None
 
-    def loader_stamps(self, clock: Callable[[], float]) -> bool:
-        """Whether a data loader on ``clock`` may open and time this timer's steps: a timer
-        of CUDA events, or a host timer on the same clock. A GuardedDataLoader that does
-        (``StepGuard.attach_loader``) opens a step nobody began where it starts fetching the
-        step's first batch (after :attr:`before_step`: the :meth:`begin_step` restart, with
-        the record's ``step`` set to ``BEGUN_BY_LOADER``) and ends the ``data`` phase where
-        each batch arrives. On the host it writes both stamps inline in its own bookkeeping,
-        with the clock reads it makes anyway; on CUDA it calls :meth:`begin_step` and
-        :meth:`mark` (events on the stream)."""
-        return self._cuda or clock is self._clock
-
     @property
     def pending_phase(self) -> str | None:
         """The phase the time from the current step's last mark to its close will count as:
@@ -255,7 +213,7 @@ class StepTimer:
 
     # -- internals ---------------------------------------------------------------------------
     def _stamp(self) -> Any:
-        if not self._cuda:
+        if self._events is None:
             return self._clock()
         return self._events.stamp()
 
