@@ -178,15 +178,19 @@ def enable_token_auth_if_token_exists(environ: MutableMapping[str, str] | None =
 
 def _refresh_ray_config() -> None:
     """Ray reads its ``RAY_*`` variables (RAY_AUTH_MODE, the GCS timeouts) into a cached config
-    when imported; re-read them if it was."""
+    when imported; nothing to do before that. After it, only the private
+    ``ray._raylet.Config.initialize`` (what Ray itself calls after setting the mode) re-reads
+    them: feature-checked, and a warning where it is missing or fails."""
     import sys
     if "ray._raylet" not in sys.modules:
         return
     try:
-        from ray._raylet import Config  # private; what Ray itself calls after setting the mode
+        from ray._raylet import Config
         Config.initialize("")
     except Exception as exc:  # noqa: BLE001 - feature check: older/newer Ray
-        logger.debug("could not refresh Ray's auth config: %r", exc)
+        logger.warning("could not make the imported Ray read RAY_AUTH_MODE=token (%r): if the "
+                       "cluster refuses the connection, set RAY_AUTH_MODE=token before "
+                       "running", exc)
 
 
 def choose_coordinator(names: list[str], run_id: str | None, namespace: str) -> str:
