@@ -182,6 +182,16 @@ def test_resume_mid_epoch_loses_and_repeats_nothing(loaders, world):
         assert before[r] + resumed[r] == uninterrupted[r]
 
 
+def test_the_saved_drop_last_and_seed_reach_the_torch_loader(loaders):
+    # 10 samples in batches of 4: drop_last=True gives 2 batches, False 3. A state saved with
+    # drop_last=True and seed 5 is an epoch of the saved loader, whatever this one was built with
+    saved = loaders(IndexDataset(10), 4, num_workers=0, seed=5, drop_last=True)
+    want = [b.tolist() for b in saved]
+    loader = loaders(IndexDataset(10), 4, num_workers=0, seed=0, drop_last=False)
+    loader.load_state_dict({"epoch": 0, "batches_consumed": 0, "seed": 5, "drop_last": True})
+    assert [b.tolist() for b in loader] == want and len(want) == 2
+
+
 def test_resume_skips_in_the_sampler_without_reading_samples(loaders):
     ds = CountingDataset(40)
     loader = loaders(ds, 4, num_workers=0, seed=2)

@@ -368,7 +368,8 @@ class GuardedDataLoader:
                                getattr(self, key))
                 setattr(self, key, state[key])
         self._sampler.seed, self._sampler.shuffle = self.seed, self.shuffle
-        self._sampler.drop_last = self.drop_last
+        self._sampler.drop_last = self._pipeline.drop_last = self.drop_last
+        self._pipeline.seed = self.seed
         position = state.get("samples_consumed")
         if position is None:
             position = (int(state["batches_consumed"]) * int(state.get("batch_size", self.batch_size))
