@@ -37,9 +37,10 @@ class StepGuard:
     ``fault_injector``: a :class:`~raytrain_guard.runtime.probes.FaultInjector` whose delays
     run at the matching :meth:`mark`. ``sleep``: used for pacing (tests pass a fake).
 
-    Host timers take a fast path: a step under the gate's quiet bounds
-    (:meth:`StepGate.quiet_limits`) waits in a buffer and reaches the gate with the next
-    batch (every ``gate_batch_steps`` steps, or as soon as a step may decide something), so
+    Host timers take a fast path: a step that cannot decide anything (under the gate's
+    quiet bounds, :meth:`StepGate.quiet_limits`, or over the time bound without completing a
+    run of ``num_slow_steps``) waits in a buffer and reaches the gate with the next batch
+    (every ``gate_batch_steps`` steps, or as soon as a step may decide something), so
     decisions come at the same step as with a gate fed every step, for a fraction of the
     cost. Reading :attr:`gate`, :meth:`drain_stats` or :meth:`state_dict` sees every step.
     """
@@ -67,13 +68,11 @@ class StepGuard:
         #: whether a loader opens the steps and times their data phase (:meth:`attach_loader`):
         #: the loop then calls neither :meth:`begin_step` nor ``mark("data")``
         self.loader_attached = False
-        # the fast path (host timers only): steps closed and not yet fed to the gate, with
-        # their memory fraction; StepStats already built for drain_stats; decisions of a
-        # flush outside end_step (none expected: waiting steps decide nothing)
+        # the fast path (host timers only; see the class doc)
         self._fast = bool(getattr(self.timer, "on_host", False))
-        self._buffer: list[tuple[Any, float | None]] = []
-        self._built: list[StepStats | None] = []
-        self._late: list[Decision] = []
+        self._buffer: list[tuple[Any, float | None]] = []   # (step record, memory fraction)
+        self._built: list[StepStats | None] = []     # StepStats drain_stats built already
+        self._late: list[Decision] = []              # decided by a flush outside end_step
         self._horizon = min(config.gate_batch_steps, max(1, config.step_window // 2 - 5))
         self._num_slow = config.num_slow_steps
         self._quiet_s = -1.0           # the gate's quiet bounds; none yet: every step goes to it
@@ -142,9 +141,7 @@ class StepGuard:
             self._over = 0                       # a quiet step ends any run of slow ones
             may_wait = True
         else:
-            # over the bound: it waits unless it could complete a run of slow steps (the
-            # buffered ones over the bound before it, and the gate's own run when every
-            # buffered step is over the bound)
+            # over the bound: it waits unless it could complete a run of slow steps
             self._over += 1
             run = self._over + (self._run0 if self._over == len(self._buffer) else 0)
             may_wait = self._quiet_s >= 0 and run < self._num_slow

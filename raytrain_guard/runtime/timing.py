@@ -229,9 +229,8 @@ class StepTimer:
             prev = stamp
         total_s = prev - marks[0][1] if elapsed is None else elapsed(marks[0][1], prev)
         if marks[-2][0] == _BACKWARD:
-            # the last mark before the step's end is backward (no optimizer mark after it):
-            # the rest is the optimizer's. A closed record ends with its (UNTIMED, end) stamp
-            # and starts with an UNTIMED one, so marks[-2] always exists
+            # what follows the backward pass is the optimizer's (marks[-2] exists: a closed
+            # record starts and ends with an UNTIMED stamp)
             start = marks[-2][1]
             sums[_OPTIMIZER] += prev - start if elapsed is None else elapsed(start, prev)
         comm_wait_s = 0.0
