@@ -596,8 +596,11 @@ def _result(runs, stats, loss_desc, mode, precision, optimizer, errors, elapsed)
     if per_sample <= 0:
         warnings.append("activations did not grow with the micro-batch: check that the sample "
                         "factory's batch dimension is dim 0")
+    grads_at_peak = max((s for ph, s in runs[0][1] if ph != "optimizer"),
+                        key=lambda s: s["total"])["grads"]
     profile = ActivationProfile(bytes_per_sample=max(per_sample, 0.0), fixed_bytes=fixed,
-                                source="traced", notes=tuple(notes), includes_gradients=True)
+                                source="traced", notes=tuple(notes), includes_gradients=True,
+                                gradient_bytes=min(int(grads_at_peak), fixed))
     for w in warnings:
         log.warning("trace: %s", w)
     return TraceResult(model_stats=stats, activations=profile, micro_batch=b,

@@ -10,14 +10,17 @@ Phases (see raytrain_guard.core.memory_model):
   optimizer     = P + buffers + O + G + T + comm_opt
   rebuild       = P + buffers + O + 2 * buckets          (DDP/zero1 with more than one rank)
   late-backward = P + buffers + O + G + comm_late        (FSDP only; activations freed)
+  forward       = P + buffers + O + A - traced grads + gathered          (FSDP only)
 For a non-traced profile G_bw is the first unit's unsharded gradients (DDP/zero1: the largest
 unit, 400 x grad bytes; FSDP: the largest trainable unit, also 400 for M).
 FSDP comm, U = largest unit (400), R = largest trainable unit (unknown for M: U, capped at the
 trainable count): fsdp-full comm_bw = 2 U (all-gather: computed + prefetched), comm_late =
 U + 2 R (reduce-scatter buffers exist only late in backward, when the unit reducing has been
 resharded: only the prefetched unit is gathered); fsdp-grad-op: all params unsharded, booked
-under P in both backward phases, comm_bw = U (the all-gather buffer while gathering),
-comm_late = 2 R.
+under P, no all-gather in backward (comm_bw = 0); forward adds the all-gather output U (the
+input shard is a slice of it); late in backward the unit reducing (R) was resharded: P - R
+unsharded next to comm_late = 2 R. fsdp-full forward gathers 2 U: the all-gather output beside
+the unit's unsharded copy.
 """
 
 from __future__ import annotations
@@ -95,15 +98,19 @@ STRATEGIES = [
                        "optimizer": 4000 + 3200 + 4000 + 1600 + 4000,
                        "rebuild": 4000 + 3200 + 8000}),
     # fsdp, fp32: P 250*4 = 1000, G 1000, O 250*8 = 2000, T 250*4 = 1000, G_bw 400*4 = 1600
-    # grad-op: P + 4000 unsharded; comm_bw = AG 400*4; comm_late = 2 RS 2*400*4
-    ("fsdp-grad-op", "fp32", {"backward": 1000 + 2000 + 1600 + 10000 + (4000 + 1600),
+    # grad-op: P + 4000 unsharded, no all-gather in backward; forward: AG output 400*4 (ties
+    # with backward's first unit's gradients); late: (1000 - 400)*4 = 2400 unsharded + 2 RS
+    # 2*400*4 = 3200
+    ("fsdp-grad-op", "fp32", {"backward": 5000 + 2000 + 1600 + 10000,
                               "optimizer": 1000 + 2000 + 1000 + 1000,
-                              "late-backward": 1000 + 2000 + 1000 + (4000 + 3200)}),
+                              "late-backward": 3400 + 2000 + 1000 + 3200,
+                              "forward": 5000 + 2000 + 10000 + 1600}),
     # full: comm_bw = 2 AG 2*400*4 = 3200; comm_late = 1 AG (the prefetched unit: the unit
     # reducing is resharded first) 400*4 + 2 RS 2*400*4 = 1600 + 3200
     ("fsdp-full", "fp32", {"backward": 1000 + 2000 + 1600 + 10000 + 3200,
                            "optimizer": 1000 + 2000 + 1000 + 1000,
-                           "late-backward": 1000 + 2000 + 1000 + 1600 + 3200}),
+                           "late-backward": 1000 + 2000 + 1000 + 1600 + 3200,
+                           "forward": 1000 + 2000 + 10000 + 3200}),     # 2 U: output + copy
     # bf16-master: P 2000, G 2000, O 12000, buckets 2000, G_bw 800, T (fp32 state) 1000*4
     ("ddp", "bf16-master", {"backward": 2000 + 12000 + 800 + 10000 + 2000,
                             "optimizer": 2000 + 12000 + 2000 + 4000 + 2000,
@@ -115,14 +122,17 @@ STRATEGIES = [
     # fsdp, bf16-master = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the fp32
     # shard is the master, P 250*4 = 1000, G 250*4 = 1000, O 250*8 = 2000, T 250*4 = 1000;
     # gathered params and unsharded grads bf16: G_bw 400*2 = 800; reduce-scatter fp32
-    # grad-op: P + 2000 unsharded; comm_bw = AG 400*2; comm_late = 2 RS 2*400*4
-    ("fsdp-grad-op", "bf16-master", {"backward": 1000 + 2000 + 800 + 10000 + (2000 + 800),
+    # grad-op: P + 2000 bf16 unsharded; forward AG 400*2 = 800; late (1000 - 400)*2 = 1200
+    # unsharded + 2 fp32 RS 2*400*4 = 3200
+    ("fsdp-grad-op", "bf16-master", {"backward": 3000 + 2000 + 800 + 10000,
                                      "optimizer": 1000 + 2000 + 1000 + 1000,
-                                     "late-backward": 1000 + 2000 + 1000 + (2000 + 3200)}),
+                                     "late-backward": 2200 + 2000 + 1000 + 3200,
+                                     "forward": 3000 + 2000 + 10000 + 800}),
     # full: comm_bw = 2*400*2 = 1600; comm_late = 1 AG 400*2 + 2 RS 2*400*4 = 800 + 3200
     ("fsdp-full", "bf16-master", {"backward": 1000 + 2000 + 800 + 10000 + 1600,
                                   "optimizer": 1000 + 2000 + 1000 + 1000,
-                                  "late-backward": 1000 + 2000 + 1000 + 800 + 3200}),
+                                  "late-backward": 1000 + 2000 + 1000 + 800 + 3200,
+                                  "forward": 1000 + 2000 + 10000 + 1600}),
 ]
 
 
@@ -131,6 +141,7 @@ def test_strategy_bytes_on_four_ranks(strategy, precision, phases):
     est = run(TrainingSetup(strategy=strategy, precision=precision, optimizer="adamw",
                             micro_batch=2, world_size=4))
     assert dict(est.phases) == phases
+    # grad-op: forward ties with backward (the first maximum in phase order wins)
     assert est.peak_phase == max(phases, key=phases.get) == "backward"
     parts = {k: v for k, v in est.breakdown.items() if k != "reserve"}
     assert sum(parts.values()) == est.peak_bytes  # breakdown = categories at the peak moment
@@ -212,8 +223,9 @@ def test_reduce_scatter_buffers_follow_the_largest_trainable_unit(largest_traina
     tiny = ActivationProfile(bytes_per_sample=1.0, source="given")
     est = run(TrainingSetup(strategy="fsdp-full", micro_batch=1, world_size=2), model=model,
               acts=tiny)
+    # forward: 2 x 600 x 4 = 4800 gathered next to the 1-byte activations
     assert dict(est.phases) == {"backward": backward, "optimizer": 2000 + 2000 + 1000 + 1000,
-                                "late-backward": late}
+                                "late-backward": late, "forward": 2000 + 2000 + 1 + 4800}
     # with one all-gather buffer late, a small reduce-scatter (R 100, 250) leaves the peak in
     # backward; the unknown R (500) keeps it late, where activations are freed
     assert est.peak_phase == ("late-backward" if largest_trainable is None else "backward")
@@ -325,9 +337,9 @@ def test_fsdp_root_unit_stays_gathered_through_backward():
     # M on 4 ranks, fp32, accumulation 4: P 1000, O 2000, A 10000, G (shards) 250*4 = 1000.
     # last: the unsharded gradients of all 1000 params (4000) through backward; every: the
     # shards (1000) + the first unit's unsharded gradients, given profile (400*4 = 1600).
-    # full: 2 AG 3200; grad-op: P + 4000 unsharded, AG 1600.
+    # full: 2 AG 3200; grad-op: P + 4000 unsharded, no all-gather in backward.
     ("fsdp-full", 1000 + 2000 + 4000 + 10000 + 3200, 1000 + 2000 + 2600 + 10000 + 3200),
-    ("fsdp-grad-op", 5000 + 2000 + 4000 + 10000 + 1600, 5000 + 2000 + 2600 + 10000 + 1600),
+    ("fsdp-grad-op", 5000 + 2000 + 4000 + 10000, 5000 + 2000 + 2600 + 10000),
 ])
 def test_fsdp_grad_sync_modes_under_accumulation(strategy, last_bw, every_bw):
     def setup(sync):
@@ -358,18 +370,23 @@ def test_grad_op_books_unsharded_parameters_as_params():
     # ZeRO paper, Table 1, P_os+g: 7.5 B parameters, 64 ranks, mixed precision (2 bytes a
     # gathered parameter): 2 * 7.5e9 = 15 GB unsharded, the rest divided by 64.
     n = 7_500_000_000
-    model = ModelStats(num_params=n, num_trainable_params=n,
-                       largest_unit_params=default_fsdp_unit_params(n))
+    unit = default_fsdp_unit_params(n)                   # 937_500_000
+    model = ModelStats(num_params=n, num_trainable_params=n, largest_unit_params=unit)
     est = run(TrainingSetup(strategy="fsdp-grad-op", precision="bf16", optimizer="adamw",
                             micro_batch=1, world_size=64), model=model,
-              acts=ActivationProfile(bytes_per_sample=1.0, source="given"))
+              acts=ActivationProfile(bytes_per_sample=4e9, source="given"))
     shard = -(-n // 64)                                  # 117_187_500
+    # backward (the first unit's unsharded gradients, 937.5 M x 2 B) ties with forward (the
+    # all-gather output of the 1/8 unit, 937.5 M x 2 B): the first in phase order is shown
+    assert est.peak_phase == "backward"
+    assert est.phases["forward"] == est.phases["backward"]
     assert est.breakdown["params"] == 2 * n + 2 * shard  # unsharded bf16 + bf16 shards
     assert est.breakdown["optimizer"] == 4 * shard       # bf16 exp_avg + exp_avg_sq
-    # tiny activations: the peak is late in backward; comm holds only the collectives' buffers
-    # (2 reduce-scatter buffers of the 1/8 unit, 2 x 937.5 M x 2 B), no parameters
-    assert est.peak_phase == "late-backward"
-    assert est.breakdown["comm"] == 2 * 2 * default_fsdp_unit_params(n) == 3_750_000_000
+    # comm holds only the collectives' buffers (none in backward: nothing is gathered again)
+    assert est.breakdown["comm"] == 0 and est.breakdown["grads"] == unit * 2
+    # late in backward the unit reducing is resharded: (n - unit) x 2 unsharded
+    assert est.phases["late-backward"] == (n - unit) * 2 + 2 * shard + 4 * shard + 2 * shard \
+        + 2 * unit * 2
 
 
 def test_comm_bytes_per_step():
@@ -393,3 +410,25 @@ def test_default_fsdp_unit_is_an_eighth():
 def test_bad_grad_sync_names_the_field():
     with pytest.raises(PlanInputError, match="fsdp_grad_sync"):
         TrainingSetup(fsdp_grad_sync="sometimes")
+
+
+@pytest.mark.parametrize("accum,sync,backward", [
+    # a trace without FSDP: at its peak all 1000 x 4 = 4000 B of gradients, unsharded, inside
+    # the profile (fixed 4000 + 5000 x 2 = 14000). fsdp-full on 4 ranks, fp32: FSDP holds the
+    # unit reducing unsharded (R 400 x 4 = 1600) and the rest as shards ceil(2400 / 4) = 600:
+    # activations 14000 - 4000 + 2200 = 12200; backward = P 1000 + O 2000 + 12200 + 2 AG 3200
+    (1, "last_micro_batch", 1000 + 2000 + 12200 + 3200),
+    # accumulation: the unit's 1600 stay in the activations, the accumulated gradients are
+    # grads_bw: all shards 1000 (every) or all unsharded 4000 (last)
+    (2, "every_micro_batch", 1000 + 2000 + 1000 + 11600 + 3200),
+    (2, "last_micro_batch", 1000 + 2000 + 4000 + 11600 + 3200),
+])
+def test_fsdp_holds_a_traced_profiles_gradients_as_fsdp_does(accum, sync, backward):
+    traced = ActivationProfile(bytes_per_sample=5000.0, fixed_bytes=4000, source="traced",
+                               includes_gradients=True, gradient_bytes=4000)
+    est = run(TrainingSetup(strategy="fsdp-full", micro_batch=2, world_size=4,
+                            grad_accum=accum, fsdp_grad_sync=sync), acts=traced)
+    assert est.phases["backward"] == backward
+    # grad-op's forward holds no gradient of the micro-batch: activations 14000 - 4000
+    op = run(TrainingSetup(strategy="fsdp-grad-op", micro_batch=2, world_size=4), acts=traced)
+    assert op.phases["forward"] == 5000 + 2000 + 10000 + 400 * 4

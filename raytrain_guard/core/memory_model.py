@@ -366,6 +366,8 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
     comm_opt = 0
     comm_late = 0
     unsharded = 0     # fsdp-grad-op: parameters gathered from forward to the end of backward
+    unsharded_late = 0
+    gather_fw = 0     # fsdp-grad-op: all-gather buffers of the unit gathered in forward
     rs_unit = unit if model.largest_trainable_unit_params is None \
         else model.largest_trainable_unit_params
     rs_unit = min(rs_unit, trainable)
@@ -388,6 +390,10 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         else:
             comm_bw = 2 * unit * p_b
             gathered = f"2 all-gather buffers of the largest unit ({unit} params)"
+        # forward, as the largest unit is gathered: its all-gather output beside its unsharded
+        # copy (and the root, gathered first and kept)
+        gather_fw = (max(2 * root, root + 2 * block) if root is not None and block is not None
+                     else 2 * unit) * p_b
         # late: the unit reducing was resharded first; only the prefetched one is gathered
         prefetched = (root + block) if root is not None and block is not None else unit
         comm_late = prefetched * p_b + 2 * rs_unit * reduce_b
@@ -396,22 +402,50 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
                      f"params, {reduce_b} bytes each) only late in backward, next to one "
                      f"gathered unit (a unit is resharded before it reduce-scatters)")
     else:  # FSDP_GRAD_OP
-        # unsharded parameters from forward to the end of backward, plus the all-gather output
-        # of the unit being gathered in forward (alive next to its unsharded copy: the peak of
-        # a model whose activations peak in forward, e.g. a frozen backbone)
-        # (booked under params: they are parameters, not a collective's buffer)
+        # unsharded parameters from forward to the end of backward (booked under params: they
+        # are parameters, not a collective's buffer). Backward gathers nothing (nothing was
+        # resharded after forward): the all-gather buffers belong to the "forward" phase. Late
+        # in backward the unit reducing has been resharded first: at most all but its own
+        # parameters are still unsharded, next to its 2 reduce-scatter buffers.
         unsharded = model.num_params * p_b
-        comm_bw = unit * p_b
+        # gathering unit k in forward: the root and the units before it unsharded, k's
+        # all-gather output beside its unsharded copy: at most max(2 root, all + a block)
+        # (the input shard is a slice of the output: FSDP2 all-gathers in place)
+        root, block = model.root_unit_params, model.largest_block_unit_params
+        if root is not None and block is not None:
+            gather_fw = max(2 * root - model.num_params, block, 0) * p_b
+        else:
+            gather_fw = unit * p_b
         comm_late = 2 * rs_unit * reduce_b
+        unsharded_late = (model.num_params - rs_unit) * p_b
         notes.append(f"SHARD_GRAD_OP keeps unsharded parameters ({unsharded / MiB:.1f} MiB, under "
-                     f"params) from forward to the end of backward, + the all-gather buffer of "
-                     f"the largest unit ({unit} params) while it is gathered; 2 reduce-scatter "
-                     f"buffers of the largest trainable unit ({rs_unit} params) only late in "
-                     f"backward")
+                     f"params) from forward to the end of backward; in forward the all-gather "
+                     f"output of the unit being gathered ({gather_fw // p_b} params); 2 "
+                     f"reduce-scatter buffers of the largest trainable unit ({rs_unit} params) "
+                     f"only late in backward, after that unit was resharded")
+
+    if fsdp:
+        states = params + unsharded + grads + optimizer
+        notes.append(f"model states (the ZeRO paper's Table 1): parameters "
+                     f"{(params + unsharded) / 1e9:.3f} GB + gradients {grads / 1e9:.3f} GB + "
+                     f"optimizer {optimizer / 1e9:.3f} GB = {states / 1e9:.3f} GB")
 
     # -- activations and gradients alive at the backward peak ------------------------------
     acts = activations.at(setup.micro_batch)
+    traced_grads = min(activations.gradient_bytes, acts)
+    acts_fw = acts - traced_grads     # no gradient exists in forward
     every = fsdp and setup.fsdp_grad_sync is GradSync.EVERY_MICRO_BATCH
+    if fsdp and traced_grads:
+        # a trace without FSDP holds every gradient unsharded at its peak; FSDP holds the unit
+        # reducing unsharded and the others' as shards (or, under accumulation, counts the
+        # accumulated gradients in grads_bw below: only the unit's unsharded ones stay here)
+        current = min(traced_grads, rs_unit * p_b)
+        held = current if setup.grad_accum > 1 else \
+            current + _shard(traced_grads - current, n)
+        acts = acts - traced_grads + held
+        notes.append(f"FSDP: of the trace's {traced_grads / MiB:.1f} MiB of unsharded gradients "
+                     f"at its peak, {held / MiB:.1f} MiB are alive (one unit unsharded, the "
+                     f"rest as shards)")
     if setup.grad_accum > 1 and every:
         # the accumulated shards, plus what a profile without gradients leaves out: the first
         # unit's unsharded gradients before they are reduce-scattered
@@ -446,11 +480,22 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         # are left out), every sharded gradient written, reduce-scatter buffers in flight;
         # under grad_accum the unsharded gradients of earlier micro-steps are still alive
         grads_late = max(grads, grads_bw if setup.grad_accum > 1 else 0)
-        phases["late-backward"] = params + unsharded + buffers + optimizer + grads_late \
+        phases["late-backward"] = params + unsharded_late + buffers + optimizer + grads_late \
             + comm_late
-        parts["late-backward"] = dict(params=params + unsharded, buffers=buffers,
+        parts["late-backward"] = dict(params=params + unsharded_late, buffers=buffers,
                                       grads=grads_late, optimizer=optimizer, activations=0,
                                       temp=0, comm=comm_late)
+    if fsdp:
+        # forward, as a unit is gathered (grad-op: every parameter unsharded at most; full: the
+        # gathered units, gather_fw), the forward's activations (no gradient of this
+        # micro-batch yet; those of earlier micro-batches under accumulation). The frozen
+        # backbone that is the fine-tune's root peaks here, gathered twice over.
+        grads_fw = 0 if setup.grad_accum == 1 else grads if every else grads_bw
+        phases["forward"] = params + unsharded + buffers + optimizer + grads_fw + acts_fw \
+            + gather_fw
+        parts["forward"] = dict(params=params + unsharded, buffers=buffers, grads=grads_fw,
+                                optimizer=optimizer, activations=acts_fw, temp=0,
+                                comm=gather_fw)
     if strat in (Strategy.DDP, Strategy.ZERO1) and n > 1:
         phases["rebuild"] = params + buffers + optimizer + 2 * bucket
         parts["rebuild"] = dict(params=params, buffers=buffers, grads=0, optimizer=optimizer,
@@ -458,7 +503,7 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
     phase = max(phases, key=lambda k: phases[k])
     peak = phases[phase]
     reserve = config.cuda_context_bytes + int(round(config.fragmentation_frac * peak))
-    if fsdp and phase == "backward" and setup.grad_accum == 1:
+    if fsdp and phase in ("backward", "forward") and setup.grad_accum == 1:
         # the previous step's gradient shards, freed by zero_grad(set_to_none=True), leave
         # holes (one per unit, smaller than the activations that follow) that stay reserved
         reserve += grads

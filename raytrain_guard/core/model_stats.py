@@ -70,6 +70,9 @@ class ActivationProfile:
     The optimizer's temporaries are not part of a profile: the memory model computes them.
     ``includes_gradients``: the profile already holds the gradients alive at its peak (a trace
     sees them; the analytic transformer knows which exist), so the memory model adds none.
+    ``gradient_bytes``: how many of the profile's bytes are those gradients (a trace's, taken
+    without FSDP: unsharded; 0 when not known apart), so that the FSDP model can hold only what
+    FSDP keeps alive instead (the unit reducing unsharded, the others as shards).
     """
 
     bytes_per_sample: float
@@ -77,6 +80,7 @@ class ActivationProfile:
     source: str = "analytic"            # "analytic" | "traced" | "given"
     notes: tuple[str, ...] = field(default_factory=tuple)
     includes_gradients: bool = False
+    gradient_bytes: int = 0             # of fixed_bytes: the gradients at the peak (traced)
 
     def at(self, micro_batch: int) -> int:
         """Activation bytes at the peak for ``micro_batch`` samples."""
