@@ -23,6 +23,14 @@ and :func:`estimate` computes each and keeps the largest:
     FSDP only: the end of backward. Activations are freed, every sharded gradient is written,
     and the reduce-scatter buffers of the largest trainable unit are in flight. (At the start
     of backward no reduce-scatter buffer exists yet, and a frozen unit never has one.)
+``forward``
+    FSDP only: a unit being gathered in forward, its all-gather output beside its unsharded
+    copy (FSDP2 all-gathers in place and copies out), next to the forward's activations (the
+    profile less the gradients a trace saw, ``ActivationProfile.gradient_bytes``). A frozen
+    backbone held in the root unit peaks here.
+
+Under FSDP a traced profile's gradients (a trace runs without FSDP: all unsharded) are replaced
+by what FSDP2 keeps: the unit reducing unsharded, the others as shards.
 
 Bytes per trainable parameter (``P`` params, ``G`` gradients, ``O`` optimizer; frozen
 parameters only cost ``P``), with ``k`` optimizer state copies (sgd 0, sgd-momentum 1, adam and
@@ -58,10 +66,12 @@ pads its flat parameters):
 * ``fsdp-grad-op`` (ZeRO-2): gradients and optimizer state divided by ``N``; the parameters are
   kept sharded at rest *and* unsharded from forward to the end of backward. Both are booked
   under ``params`` in the backward phases (the model states of the ZeRO paper's Table 1,
-  P_os+g: 2 bytes x 7.5 B unsharded + (2 + 12) x 7.5 B / 64 = 16.6 GB), only the shards in the
-  ``optimizer`` phase; ``comm`` holds the collectives' own buffers: in ``backward`` the
-  all-gather buffer of the largest unit (alive next to its unsharded copy while it is
-  gathered), in ``late-backward`` two reduce-scatter buffers of the largest *trainable* unit.
+  P_os+g: 2 bytes x 7.5 B unsharded + (2 + 12) x 7.5 B / 64 = 16.6 GB; the notes print the
+  plan's model states that way), only the shards in the ``optimizer`` phase; ``comm`` holds
+  the collectives' own buffers: in ``forward`` the all-gather output of the unit gathered
+  (alive next to its unsharded copy), none in ``backward`` (nothing was resharded), in
+  ``late-backward`` two reduce-scatter buffers of the largest *trainable* unit, which FSDP2
+  resharded first (so its own parameters are no longer counted unsharded).
 * ``fsdp-full`` (ZeRO-3): parameters, gradients and optimizer state divided by ``N``.
   ``backward``: two all-gather buffers of the largest unit (the unit computed and the one
   prefetched); ``late-backward``: two reduce-scatter buffers of the largest trainable unit and
