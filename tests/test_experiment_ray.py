@@ -16,22 +16,28 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("matplotlib")
 
-from raytrain_guard import cli
-
 pytestmark = pytest.mark.ray
 
 
-def test_observe_fails_on_every_attempt_where_act_finishes_exactly_once(tmp_path, capsys,
-                                                                        monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")       # auth is not what this tests
+def _experiment(*args: str) -> dict:
+    """``raytrain-guard experiment ... --json`` in a fresh process, as a user runs it."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}       # auth is not what this tests
+    proc = subprocess.run([sys.executable, "-m", "raytrain_guard.cli", "experiment", *args,
+                           "--json"], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_observe_fails_on_every_attempt_where_act_finishes_exactly_once(tmp_path):
     out = tmp_path / "report"
-    code = cli.main(["experiment", "--fault", "activation_spike:rank=1,start=12,factor=8,steps=2",
-                     "--steps", "100", "--max-failures", "1", "--out", str(out), "--json"])
-    assert code == 0
-    result = json.loads(capsys.readouterr().out)
+    result = _experiment("--fault", "activation_spike:rank=1,start=12,factor=8,steps=2",
+                         "--steps", "100", "--max-failures", "1", "--out", str(out))
     observe, act = result["arms"]["observe"], result["arms"]["act"]
 
-    assert not observe["completed"] and observe["attempts"] == 2
+    assert not observe["completed"] and observe["attempts"] == 2, observe["error"]
     assert observe["error"] == "OutOfMemoryError on rank 1 at step 12"
     assert observe["attempt_errors"] == ["OutOfMemoryError on rank 1 at step 12"] * 2
 
@@ -51,14 +57,9 @@ def test_observe_fails_on_every_attempt_where_act_finishes_exactly_once(tmp_path
     assert image.shape[0] > 400 and image.shape[1] > 600 and image.std() > 0.01
 
 
-def test_act_ends_a_hung_attempt_within_30_s_and_resumes_from_its_checkpoint(tmp_path, capsys,
-                                                                              monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    out = tmp_path / "report"
-    code = cli.main(["experiment", "--fault", "hang:rank=1,start=40", "--arms", "act",
-                     "--steps", "60", "--out", str(out), "--json"])
-    assert code == 0
-    act = json.loads(capsys.readouterr().out)["arms"]["act"]
+def test_act_ends_a_hung_attempt_within_30_s_and_resumes_from_its_checkpoint(tmp_path):
+    act = _experiment("--fault", "hang:rank=1,start=40", "--arms", "act", "--steps", "60",
+                      "--out", str(tmp_path / "report"))["arms"]["act"]
     hangs = [d for d in act["detections"] if d["kind"] == "hang"]
     assert hangs and hangs[0]["rank"] == 1 and hangs[0]["phase"] == "forward"
     assert hangs[0]["step"] == 40 and hangs[0]["seconds_to_detect"] < 15

@@ -66,9 +66,9 @@ def _by_step(entries: list[dict]) -> dict[int, list[list[int]]]:
 
 
 def _model_state(result) -> dict:
-    from raytrain_guard.runtime.checkpoint import read_train_state
+    from raytrain_guard.runtime.checkpoint import read_sharded
     with result.checkpoint.as_directory() as directory:
-        return read_train_state(directory)
+        return read_sharded(directory)
 
 
 @pytest.fixture(scope="module")

@@ -327,3 +327,24 @@ def _native(state: Mapping[str, Any]) -> dict[str, Any]:
         name, keys, pos, has_gauss, cached = out["numpy"]
         out["numpy"] = (name, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached)
     return out
+
+
+def read_sharded(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """A sharded checkpoint whole, in this process (no process group, no model): the meta
+    with ``model`` and ``optimizer`` as full state dicts. For inspection, tests and export; a
+    training rank resumes with :func:`load_sharded`."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = os.path.join(directory, META_FILE)
+    if not os.path.exists(path):
+        raise InputError("checkpoint", f"has no {META_FILE}", value=str(directory),
+                         fix="read only checkpoints written by the raytrain_guard loop")
+    meta = torch.load(path, map_location="cpu", weights_only=True)
+    with tempfile.TemporaryDirectory(prefix="rtg-read-") as tmp:
+        whole = os.path.join(tmp, "whole.pt")
+        dcp_to_torch_save(directory, whole)
+        meta.update(torch.load(whole, map_location="cpu", weights_only=True))
+    return meta

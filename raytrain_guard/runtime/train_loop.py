@@ -333,7 +333,7 @@ class GuardedTrainLoop:
             raise InputError("model_factory", "returned a model without trainable parameters",
                              value=type(model).__name__, fix="leave some parameters trainable")
         self.steps_per_epoch = self._steps_per_epoch(self.loader, self.grad_accum)
-        if self.steps_per_epoch == 0:
+        if self.steps_per_epoch == 0 or self.grad_accum > len(self.loader):
             raise InputError("grad_accum", f"exceeds the {len(self.loader)} micro-batches of "
                              f"an epoch on each rank", value=cfg.grad_accum,
                              fix="use a smaller grad_accum or micro_batch, or more data")
