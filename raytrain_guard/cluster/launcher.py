@@ -133,9 +133,13 @@ def plan_run(train_loop_config: Mapping[str, Any], *, num_workers: int,
     """The capacity plan of a train-loop config (the planner's :class:`Plan`).
 
     The model is traced on the fake device at the config's micro-batch, from ``sample_factory``
-    (``() -> batch``) or, by default, the first samples of the dataset collated together. On
-    CPU the "device" memory is the host RAM divided among the ranks of this machine (the
-    guard's CPU budget, ``GuardConfig.cpu_memory_budget_bytes`` when set).
+    (``() -> batch``) or, by default, the first samples of the dataset collated together. The
+    machine is the nodes the workers will run on (:func:`plan_machine`: Ray's node resources
+    when Ray is initialized, workers packed as Ray places them, the tightest node planned for;
+    else the driver's machine). On CPU the "device" memory is that node's RAM per rank (the
+    guard's CPU budget, ``GuardConfig.cpu_memory_budget_bytes`` when set). The FSDP gradient
+    sync is the config's ``fsdp_grad_sync`` (default ``auto``: the planner's choice, in
+    ``Plan.fsdp_grad_sync``).
     """
     return traced_plan(train_loop_config, num_workers=num_workers,
                        device_memory_bytes=device_memory_bytes, use_gpu=use_gpu,
@@ -148,13 +152,11 @@ def traced_plan(train_loop_config: Mapping[str, Any], *, num_workers: int,
                 ) -> tuple[Any, Any]:
     """:func:`plan_run`'s plan and the :class:`~raytrain_guard.core.effects.RunPlan` the
     coordinator prices its actions with (the same model, activations, setup and card)."""
-    import os
+    import dataclasses
 
     from raytrain_guard.core.effects import RunPlan
-
     from raytrain_guard.core.memory_model import TrainingSetup
     from raytrain_guard.core.planner import plan
-    from raytrain_guard.host_memory import host_memory
     from raytrain_guard.runtime.train_loop import LoopConfig
     from raytrain_guard.trace import trace_model
 
@@ -167,21 +169,60 @@ def traced_plan(train_loop_config: Mapping[str, Any], *, num_workers: int,
     optimizer = _optimizer_kind(loop.optimizer_factory)
     traced = trace_model(loop.model_factory, sample_factory, loss=loop.loss_fn,
                          optimizer=optimizer)
-    host = host_memory()[0]
+    machine = plan_machine(num_workers=num_workers, use_gpu=use_gpu)
     if device_memory_bytes is None:
         if use_gpu:
             raise InputError("device_memory_bytes", "unknown for a GPU run", value=None,
                              fix="pass device_memory_bytes (e.g. units.parse_bytes('80GiB'))")
-        device_memory_bytes = config.cpu_memory_budget_bytes or host // max(1, num_workers)
+        device_memory_bytes = config.cpu_memory_budget_bytes or machine.memory_per_worker_bytes
     setup = TrainingSetup(strategy=loop.strategy, optimizer=optimizer, micro_batch=micro,
                           grad_accum=loop.grad_accum, world_size=num_workers,
                           foreach=bool(use_gpu))
+    sync = getattr(loop, "fsdp_grad_sync", None) or \
+        train_loop_config.get("fsdp_grad_sync") or "auto"
     result = plan(model=traced.model_stats, activations=traced.activations, setup=setup,
-                  device_memory_bytes=int(device_memory_bytes), host_memory_bytes=host,
-                  cpus_per_node=os.cpu_count(), gpus_per_node=max(1, num_workers),
-                  config=config)
+                  device_memory_bytes=int(device_memory_bytes),
+                  host_memory_bytes=machine.host_memory_bytes,
+                  cpus_per_node=machine.cpus_per_node, gpus_per_node=machine.gpus_per_node,
+                  config=config, fsdp_grad_sync=sync)
+    result = dataclasses.replace(result, warnings=result.warnings + machine.warnings,
+                                 notes=result.notes + (machine.reason,))
     return result, RunPlan(traced.model_stats, traced.activations, result.setup,
-                           int(device_memory_bytes))
+                           int(device_memory_bytes), grad_sync=result.setup.fsdp_grad_sync)
+
+
+def cluster_nodes() -> list[Any] | None:
+    """The alive nodes' resources (``ray.nodes()``: CPU, GPU, memory) as
+    :class:`~raytrain_guard.core.placement.NodeResources`; None when Ray is not initialized.
+    The one function of the plan that calls into Ray."""
+    from raytrain_guard.core.placement import NodeResources
+
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return [NodeResources.from_ray(n) for n in ray.nodes() if n.get("Alive")]
+
+
+def plan_machine(*, num_workers: int, use_gpu: bool) -> Any:
+    """The machine a run's plan is for (:func:`~raytrain_guard.core.placement.place_workers`):
+    the nodes the workers will run on when Ray is initialized, packed as Ray's placement does;
+    else the driver's machine with every worker on it (its RAM as the run may use it, its
+    CPUs)."""
+    import os
+
+    from raytrain_guard.core.placement import NodeResources, place_workers
+    from raytrain_guard.host_memory import host_memory
+
+    nodes = cluster_nodes()
+    if nodes:
+        return place_workers(nodes, num_workers=num_workers, use_gpu=use_gpu)
+    # the driver's machine: every worker there, as Ray on one machine would place them
+    here = NodeResources("driver", num_cpus=float(os.cpu_count() or 1),
+                         num_gpus=float(num_workers), memory_bytes=host_memory()[0])
+    return place_workers([here], num_workers=num_workers, use_gpu=False, cpus_per_worker=0)
 
 
 class _FirstBatch:
