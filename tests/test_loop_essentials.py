@@ -111,6 +111,7 @@ def test_amp_bf16_runs_the_forward_under_autocast(tmp_path):
     ({"precision": "bf16-master"}, "FSDP2 mixed-precision policies"),
     ({"max_grad_norm": 0}, "max_grad_norm: must be > 0"),
     ({"epoch_tail": "spill"}, "epoch_tail: unknown"),
+    ({"fsdp_grad_sync": "sometimes"}, "fsdp_grad_sync: unknown"),
 ])
 def test_bad_essentials_name_the_key(changes, match):
     with pytest.raises(InputError, match=match):

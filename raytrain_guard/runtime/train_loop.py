@@ -115,6 +115,9 @@ class LoopConfig:
     scheduler_factory: Callable[[Any], Any] | None = None  # (optimizer) -> LR scheduler
     max_grad_norm: float | None = None           # clip the global gradient norm to this
     precision: str = "fp32"                      # the planner's: fp32, amp-bf16, bf16-master, bf16
+    fsdp_grad_sync: str = "auto"                 # FSDP with accumulation: every_micro_batch
+                                                 # (sharded gradients, more traffic),
+                                                 # last_micro_batch, or auto (the plan's)
     epoch_tail: str = "short_step"               # an epoch's leftover micro-batches: a shorter
                                                  # last step ("short_step") or none ("drop")
     allow_global_batch_change: bool = False      # a resume at another world size may change it
@@ -183,6 +186,10 @@ class LoopConfig:
             raise InputError("precision", "bf16-master and bf16 are FSDP2 mixed-precision "
                              "policies", value=values["precision"],
                              fix="use amp-bf16 (autocast) under ddp or zero1, or an fsdp strategy")
+        if values.get("fsdp_grad_sync", "auto") not in ("auto", "every_micro_batch",
+                                                        "last_micro_batch"):
+            raise InputError("fsdp_grad_sync", "unknown", value=values["fsdp_grad_sync"],
+                             fix="use every_micro_batch, last_micro_batch or auto")
         if values.get("epoch_tail", "short_step") not in ("short_step", "drop"):
             raise InputError("epoch_tail", "unknown", value=values["epoch_tail"],
                              fix="use 'short_step' (train the leftover micro-batches) or 'drop'")
@@ -408,7 +415,9 @@ class GuardedTrainLoop:
                         if cfg.bucket_cap_mb is not None else "")
         self.planned = wrap_model(model, strategy=cfg.strategy, bucket_cap_mb=cap,
                                   gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                                  device=self.device, precision=cfg.precision)
+                                  device=self.device, precision=cfg.precision,
+                                  **({} if cfg.fsdp_grad_sync == "auto"
+                                     else {"fsdp_grad_sync": cfg.fsdp_grad_sync}))
         optimizer = _call_factory("optimizer_factory", cfg.optimizer_factory,
                                   self.planned.module.parameters())
         import torch
