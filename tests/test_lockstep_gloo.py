@@ -1,14 +1,16 @@
 """Lockstep over real gloo processes: ranks fetch decisions at random, different times.
 
 Three processes (torch.multiprocessing, no Ray) run a scripted training: every optimizer step
-each rank does ``grad_accum`` micro-steps of ``micro_batch`` samples and allreduces the number of
-samples it contributed, which is the global batch the step really used. Decisions (cache
+each rank does ``grad_accum`` micro-steps, each drawing ``micro_batch`` sample ids from its own
+``DataLoader`` over a ``DistributedSampler`` of one epoch, and logs the ids it consumed (its
+audit, as the train loop's ``audit_dir``). The global batch is counted from those ids: what the
+ranks really consumed, not micro_batch x grad_accum. Decisions (cache
 releases and micro-batch shrinks that keep micro_batch x grad_accum) are published at fixed
 steps; each rank "fetches" each one after its own random delay (some ranks never hear of it,
 at least one does) and sleeps randomly so the ranks reach every boundary at different times.
 The test reads the ranks' own logs: every decision applied once, at one step on all ranks; the
-micro-batch settings equal on all ranks at every step; the allreduced global batch never
-changed.
+micro-batch settings equal on all ranks at every step; the samples consumed per step, all
+ranks together, never changed, and the epoch was consumed exactly once.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ WORLD = 3
 STEPS = 90
 K = 5
 MICRO0, ACCUM0 = 8, 1          # global batch = 8 x 1 x 3 ranks = 24 samples
+NUM_SAMPLES = STEPS * MICRO0 * ACCUM0 * WORLD   # one epoch: 90 steps of 24 = 2160 ids
 # (id, publish step, coordinator step or None, action, params)
 SCRIPT = [
     (1, 3, None, "release_cache", {}),
@@ -69,6 +72,10 @@ def _rank_main(rank: int, port: int, seed: int, out_dir: str) -> None:
                                params=params, decision_id=did)
                  for did, _, cstep, action, params in SCRIPT}
     lockstep = Lockstep(every_steps=K, exchange=ProcessGroupExchange(), world_rank=rank)
+    from torch.utils.data import DataLoader, DistributedSampler
+    ids = torch.arange(NUM_SAMPLES)
+    batches = iter(DataLoader(ids, batch_size=None, sampler=DistributedSampler(
+        ids, num_replicas=WORLD, rank=rank, shuffle=True, seed=seed)))
     micro, accum = MICRO0, ACCUM0
     steps_log = []
     for step in range(STEPS):
@@ -78,11 +85,12 @@ def _rank_main(rank: int, port: int, seed: int, out_dir: str) -> None:
         for d in lockstep.poll(step):
             if d.action is Action.SHRINK_MICRO_BATCH:
                 micro, accum = int(d.params["micro_batch"]), int(d.params["grad_accum"])
-        samples = torch.zeros(1, dtype=torch.int64)
-        for _ in range(accum):
-            samples += micro
+        consumed = []
+        for _ in range(accum):                         # micro-batches drawn from the loader
+            consumed += [int(next(batches)) for _ in range(micro)]
+        samples = torch.tensor([len(consumed)], dtype=torch.int64)
         dist.all_reduce(samples)                       # the global batch this step really used
-        steps_log.append([step, micro, accum, int(samples.item())])
+        steps_log.append([step, micro, accum, int(samples.item()), consumed])
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump({"applied": lockstep.applied, "steps": steps_log}, fh)
     dist.destroy_process_group()
@@ -109,30 +117,47 @@ def test_every_decision_applies_at_one_step_on_all_ranks(tmp_path, seed):
         agreed = -(-first_known // K) * K               # first agreement boundary after that
         assert at == (cstep if cstep is not None and cstep > agreed else agreed)
 
+    consumed_all = []
     for step in range(STEPS):
-        rows = [tuple(log["steps"][step][1:]) for log in logs]
+        rows = [tuple(log["steps"][step][1:4]) for log in logs]
         assert len(set(rows)) == 1, f"ranks disagree at step {step}: {rows}"
-        micro, accum, global_batch = rows[0]
-        assert micro * accum * WORLD == global_batch == MICRO0 * ACCUM0 * WORLD
+        # the global batch from the ids each rank logged it consumed in this step
+        per_rank = [log["steps"][step][4] for log in logs]
+        assert sum(len(ids) for ids in per_rank) == rows[0][2] == MICRO0 * ACCUM0 * WORLD, step
+        consumed_all += [i for ids in per_rank for i in ids]
+    # every sample of the epoch consumed exactly once, by one rank
+    assert sorted(consumed_all) == list(range(NUM_SAMPLES))
     # the shrinks really happened (the run ends with micro 2 x accum 4)
     assert logs[0]["steps"][-1][1:3] == [2, 4]
 
 
 def _nccl_main(rank: int, port: int, out_dir: str) -> None:
+    """Two ranks on nccl (one GPU each): the lockstep exchange and the attempt agreement run on
+    the control plane's gloo side group, between real nccl collectives on the default group."""
     import torch
     import torch.distributed as dist
 
     from raytrain_guard.cluster.client import agree_on_attempt
     from raytrain_guard.cluster.lockstep import ProcessGroupExchange
+    from raytrain_guard.runtime.control_plane import shared_control_plane
 
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=1)
+                            world_size=2)
+    before = torch.full((1,), float(rank + 1), device="cuda")
+    dist.all_reduce(before)                          # nccl: 1 + 2
     ex = ProcessGroupExchange()
-    got = {"nothing": ex.exchange(-1, []),
-           "one": ex.exchange(5, [{"action": "release_cache", "reason": "r", "decision_id": 5}]),
-           "attempt": agree_on_attempt(1234, 2)}     # world_size > 1 path: a real all_reduce
-    with open(os.path.join(out_dir, "nccl.json"), "w") as fh:
+    nothing = ex.exchange(-1, [])
+    mine = [{"action": "release_cache", "reason": "r", "decision_id": 5}] if rank == 1 else []
+    one = ex.exchange(5 if rank == 1 else -1, mine)  # only rank 1 heard of decision 5
+    attempt = agree_on_attempt(1234 if rank == 0 else 0)   # rank 0 brings the number
+    after = torch.full((1,), 10.0 * (rank + 1), device="cuda")
+    dist.all_reduce(after)                           # nccl again: 10 + 20
+    torch.cuda.synchronize()
+    got = {"nothing": nothing, "one": one, "attempt": attempt,
+           "side_group": shared_control_plane().group is not None,
+           "nccl": [before.item(), after.item()]}
+    with open(os.path.join(out_dir, f"nccl{rank}.json"), "w") as fh:
         json.dump(got, fh)
     dist.destroy_process_group()
 
@@ -143,12 +168,17 @@ def test_exchange_on_nccl_runs_beside_it(tmp_path):
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
-    if not torch.cuda.is_available() or not dist.is_nccl_available():
-        pytest.skip("needs CUDA and nccl")
-    mp.spawn(_nccl_main, args=(_free_port(), str(tmp_path)), nprocs=1, join=True)
-    got = json.loads((tmp_path / "nccl.json").read_text())
-    assert got["nothing"] == [] and got["one"][0][0]["decision_id"] == 5
-    assert got["attempt"] == 1234
+    if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
+        pytest.skip("needs 2 CUDA devices and nccl")
+    mp.spawn(_nccl_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"nccl{rank}.json").read_text())
+        # both ranks see rank 1's pending decision, in rank order; the attempt is rank 0's
+        assert got["nothing"] == [] and got["one"] == [[], [
+            {"action": "release_cache", "reason": "r", "decision_id": 5}]], got
+        assert got["attempt"] == 1234
+        # the control plane made its own gloo group beside nccl, and nccl kept working
+        assert got["side_group"] is True and got["nccl"] == [3.0, 30.0]
 
 
 # -- the control plane: one round per K steps carries the stop flag and the newest id -----------
