@@ -66,9 +66,11 @@ def gather_train_state(planned: Any, optimizer: Any, *, step: int,
     RNG states: no collective of its own) and ``None`` on the other ranks.
     """
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
@@ -141,9 +143,11 @@ def restore_train_state(planned: Any, optimizer: Any, state: Mapping[str, Any], 
     The world size may differ from the one that wrote the checkpoint: model and optimizer are
     full state dicts; RNG states exist only for ranks that existed, other ranks keep theirs.
     """
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(planned.module, state["model"], options=options)
@@ -168,9 +172,11 @@ def load_train_state(directory: str | os.PathLike[str] | None, planned: Any, opt
     file rank 0 cannot read raises the same InputError on every rank (no rank is left waiting).
     """
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         state = read_train_state(_must_be(directory))
@@ -239,7 +245,10 @@ def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
@@ -274,23 +283,16 @@ def load_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
     small meta file (``weights_only=True``: tensors, numbers and strings only) and, through
     ``torch.distributed.checkpoint``, the parts of the shards it now holds (FSDP2 is resharded
     to the new mesh). A collective. Returns the meta without the optimizer state."""
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    path = os.path.join(directory, META_FILE)
-    if not os.path.exists(path):
-        raise InputError("checkpoint", f"has no {META_FILE}", value=str(directory),
-                         fix="resume only from checkpoints written by the raytrain_guard loop")
-    meta = torch.load(path, map_location="cpu", weights_only=True)
-    if meta.get("format_version") != SHARDED_FORMAT_VERSION:
-        raise InputError("checkpoint", "unknown format version", value=meta.get("format_version"),
-                         fix=f"write it with this version of raytrain_guard "
-                             f"({SHARDED_FORMAT_VERSION})")
+    meta = read_meta(directory)
     zero = _is_zero(optimizer)
     state: dict[str, Any] = {"model": get_model_state_dict(planned.module)}
     if not zero:
@@ -308,6 +310,21 @@ def load_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
     meta.pop("zero_optimizer", None)
     logger.info("rank %d: restored step %d from shards (loader %s)", world_rank, meta["step"],
                 meta.get("loader"))
+    return meta
+
+
+def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The meta file of :func:`save_sharded` (``weights_only=True``: tensors, numbers, strings)."""
+    import torch
+    path = os.path.join(directory, META_FILE)
+    if not os.path.exists(path):
+        raise InputError("checkpoint", f"has no {META_FILE}", value=str(directory),
+                         fix="resume only from checkpoints written by the raytrain_guard loop")
+    meta = torch.load(path, map_location="cpu", weights_only=True)
+    if meta.get("format_version") != SHARDED_FORMAT_VERSION:
+        raise InputError("checkpoint", "unknown format version", value=meta.get("format_version"),
+                         fix=f"write it with this version of raytrain_guard "
+                             f"({SHARDED_FORMAT_VERSION})")
     return meta
 
 
@@ -338,11 +355,7 @@ def read_sharded(directory: str | os.PathLike[str]) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    path = os.path.join(directory, META_FILE)
-    if not os.path.exists(path):
-        raise InputError("checkpoint", f"has no {META_FILE}", value=str(directory),
-                         fix="read only checkpoints written by the raytrain_guard loop")
-    meta = torch.load(path, map_location="cpu", weights_only=True)
+    meta = read_meta(directory)
     with tempfile.TemporaryDirectory(prefix="rtg-read-") as tmp:
         whole = os.path.join(tmp, "whole.pt")
         dcp_to_torch_save(directory, whole)

@@ -1049,7 +1049,7 @@ class GuardedTrainLoop:
         new, failure = None, None
         try:
             new = self._prepare_loader(verdict[0])
-        except Exception as exc:  # noqa: BLE001 - said below, to every rank
+        except Exception as exc:
             failure = repr(exc)
             logger.warning("rank %d step %d: cannot re-batch: %s", self.rank, self.step,
                            failure, exc_info=True)
