@@ -61,3 +61,22 @@ def test_plan_is_for_the_tightest_node_the_workers_use(two_nodes):
     # the CPU "device" is the tightest node's RAM per rank, not the driver's RAM / 4
     assert plan.device_memory_bytes == 512 * MiB
     assert any("4 workers packed over 2 of 2 nodes" in n for n in plan.notes)
+
+
+def test_traced_plan_carries_the_runs_precision_and_gradient_sync(two_nodes):
+    from raytrain_guard.cluster.launcher import traced_plan
+
+    config = {"model_factory": toy.make_model,
+              "dataset_factory": functools.partial(toy.make_dataset, 64),
+              "optimizer_factory": toy.make_optimizer, "loss_fn": toy.loss_fn,
+              "micro_batch": 4, "grad_accum": 2, "epochs": 1, "num_workers": 0,
+              "strategy": "fsdp-full", "precision": "bf16-master",
+              "fsdp_grad_sync": "every_micro_batch"}
+    plan, run_plan = traced_plan(config, num_workers=2)
+    assert plan.setup.precision.value == "bf16-master"
+    assert plan.fsdp_grad_sync == "every_micro_batch" == run_plan.grad_sync.value
+    assert {o["fsdp_grad_sync"] for o in plan.grad_sync_options} == {
+        "every_micro_batch", "last_micro_batch"}
+    auto, auto_run = traced_plan({**config, "fsdp_grad_sync": "auto"}, num_workers=2)
+    assert auto.fsdp_grad_sync in ("every_micro_batch", "last_micro_batch")
+    assert auto_run.grad_sync.value == auto.fsdp_grad_sync == auto.setup.fsdp_grad_sync.value

@@ -167,8 +167,9 @@ def traced_plan(train_loop_config: Mapping[str, Any], *, num_workers: int,
     if sample_factory is None:
         sample_factory = _first_batch_factory(loop.dataset_factory, micro)
     optimizer = _optimizer_kind(loop.optimizer_factory)
+    precision = getattr(loop, "precision", "fp32")     # the run's, so plan and run agree
     traced = trace_model(loop.model_factory, sample_factory, loss=loop.loss_fn,
-                         optimizer=optimizer)
+                         optimizer=optimizer, precision=precision)
     machine = plan_machine(num_workers=num_workers, use_gpu=use_gpu)
     if device_memory_bytes is None:
         if use_gpu:
@@ -177,7 +178,7 @@ def traced_plan(train_loop_config: Mapping[str, Any], *, num_workers: int,
         device_memory_bytes = config.cpu_memory_budget_bytes or machine.memory_per_worker_bytes
     setup = TrainingSetup(strategy=loop.strategy, optimizer=optimizer, micro_batch=micro,
                           grad_accum=loop.grad_accum, world_size=num_workers,
-                          foreach=bool(use_gpu))
+                          precision=precision, foreach=bool(use_gpu))
     sync = getattr(loop, "fsdp_grad_sync", None) or \
         train_loop_config.get("fsdp_grad_sync") or "auto"
     result = plan(model=traced.model_stats, activations=traced.activations, setup=setup,
