@@ -206,6 +206,14 @@ class GuardConfig:
         0.98, "Device memory fraction, projected to the step after the next apply step, at which "
         "the policy checkpoints and stops before an out-of-memory. Default 0.98: one more "
         "activation-sized allocation from the end of the card.", 0.0, 1.0, lo_open=True)
+    hang_floor_s: float = _doc(
+        10.0, "Least time a step may run before the hang watchdog names its rank and ends the "
+        "attempt. Default 10 s: well under the 30 min collective timeout Ray Train sets, well "
+        "over a checkpoint-free step of the models this guard plans.", 0.0, lo_open=True)
+    hang_step_multiple: float = _doc(
+        20.0, "A step running longer than this multiple of the rank's median step (or "
+        "hang_floor_s, whichever is longer) is a hang. Default 20: a step 20 times its median "
+        "is no slowdown the step gate would act on.", 1.0)
 
     # -- noise and effects (issue 11: decisions that know their effect) ----------------------
     slow_step_floor_s: float = _doc(

@@ -325,6 +325,10 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
                                      use_gpu=use_gpu, device_memory_bytes=device_memory_bytes,
                                      config=config)
     plan_line = check_plan(plan, force=force, fixes=fixes) if plan is not False else ""
+    if plan not in (None, False) and getattr(plan, "fsdp_grad_sync", None) and \
+            train_loop_config.get("fsdp_grad_sync", "auto") == "auto":
+        # the loop runs the FSDP gradient sync the plan chose (auto: the planner's choice)
+        train_loop_config = {**train_loop_config, "fsdp_grad_sync": plan.fsdp_grad_sync}
     if plan_line:
         logger.info("plan: %s", plan_line)
 
