@@ -146,3 +146,18 @@ def test_a_resume_that_cannot_keep_the_global_batch_is_refused_unless_allowed(tm
     changed._resume_on_other_world(4, 2, 2)                 # 16 / 3 ranks: 4 x 1 = 12
     assert changed.batch_changes[-1]["global_batch"] == 12
     assert "changes the global batch from 16 to 12" in changed.batch_changes[-1]["reason"]
+
+
+def test_the_loop_runs_the_fsdp_grad_sync_its_plan_chose_unless_told():
+    import types
+
+    from raytrain_guard.cluster.launcher import with_planned_grad_sync
+    fsdp = types.SimpleNamespace(fsdp_grad_sync="every_micro_batch")
+    assert with_planned_grad_sync({"x": 1}, fsdp)["fsdp_grad_sync"] == "every_micro_batch"
+    assert with_planned_grad_sync({"fsdp_grad_sync": "auto"}, fsdp)["fsdp_grad_sync"] == \
+        "every_micro_batch"
+    told = {"fsdp_grad_sync": "last_micro_batch"}
+    assert with_planned_grad_sync(told, fsdp) is told
+    ddp = types.SimpleNamespace(fsdp_grad_sync=None)
+    assert "fsdp_grad_sync" not in with_planned_grad_sync({}, ddp)
+    assert with_planned_grad_sync({}, False) == {}

@@ -325,10 +325,7 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
                                      use_gpu=use_gpu, device_memory_bytes=device_memory_bytes,
                                      config=config)
     plan_line = check_plan(plan, force=force, fixes=fixes) if plan is not False else ""
-    if plan not in (None, False) and getattr(plan, "fsdp_grad_sync", None) and \
-            train_loop_config.get("fsdp_grad_sync", "auto") == "auto":
-        # the loop runs the FSDP gradient sync the plan chose (auto: the planner's choice)
-        train_loop_config = {**train_loop_config, "fsdp_grad_sync": plan.fsdp_grad_sync}
+    train_loop_config = with_planned_grad_sync(train_loop_config, plan)
     if plan_line:
         logger.info("plan: %s", plan_line)
 
@@ -381,6 +378,15 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
                     * num_workers)
     return summarize(run_id, _results_of(result), status, time.perf_counter() - start,
                      plan_line, global_batch)
+
+
+def with_planned_grad_sync(train_loop_config: Mapping[str, Any], plan: Any) -> Mapping[str, Any]:
+    """The loop's config with the FSDP gradient sync the plan chose, where the config leaves it
+    to the planner (``fsdp_grad_sync`` missing or ``"auto"``); unchanged otherwise (pure)."""
+    chosen = getattr(plan, "fsdp_grad_sync", None) if plan not in (None, False) else None
+    if chosen and train_loop_config.get("fsdp_grad_sync", "auto") == "auto":
+        return {**train_loop_config, "fsdp_grad_sync": chosen}
+    return train_loop_config
 
 
 def effective_config(config: GuardConfig | None, guard: Any) -> GuardConfig:
