@@ -14,13 +14,14 @@ import pytest
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause
 from raytrain_guard.errors import InputError
+from raytrain_guard.runtime.cache_release import release_cache
 from raytrain_guard.runtime.probes import (
     FaultInjector,
     MemoryReading,
     ProcessMemoryProbe,
     ScriptedProbe,
 )
-from raytrain_guard.runtime.step_guard import StepGuard, release_cache
+from raytrain_guard.runtime.step_guard import StepGuard
 from raytrain_guard.runtime.timing import StepTimer
 from raytrain_guard.units import MiB
 
