@@ -92,24 +92,32 @@ def test_bad_input_fails_before_any_collective(changes, match):
         _local_loop(**changes)._build()
 
 
-def test_cluster_release_cache_is_spaced(caplog):
-    # release_cache_min_interval_s 30: releases at t=0 and t=31 run, the one at t=10 is skipped
-    # (the gate spaces its own releases the same way).
+def test_cluster_release_cache_is_spaced_with_the_gates_own(caplog, monkeypatch):
+    # release_cache_min_interval_s 30: one spacing for the rank's releases, its gate's and the
+    # cluster's: the cluster's at t=0 and t=31 run, the one at t=10 is skipped, and so is a
+    # cluster release at t=70 after the gate's own at t=65
     import logging
 
     from raytrain_guard.core.decisions import Action, Decision
+    from raytrain_guard.runtime import cache_release
+    from raytrain_guard.runtime.step_guard import StepGuard
+    ran = []
+    monkeypatch.setattr(cache_release, "release_cache", lambda: ran.append(now[0]))
     now = [0.0]
     cfg = LoopConfig.from_dict({**BASE, "guard": {"release_cache_min_interval_s": 30.0}})
-    loop = GuardedTrainLoop(cfg, context=WorkerContext(world_rank=0, world_size=2),
-                            clock=lambda: now[0])
+    loop = GuardedTrainLoop(cfg, context=WorkerContext(world_rank=0, world_size=2))
+    loop.guard = StepGuard(cfg.guard, clock=lambda: now[0])
     release = Decision(Action.RELEASE_CACHE, "hot", 0, scope="cluster", decision_id=1)
     with caplog.at_level(logging.INFO, logger="raytrain_guard.runtime.train_loop"):
         for t in (0.0, 10.0, 31.0):
             now[0] = t
             loop._apply_cluster(release)
+        now[0] = 65.0
+        assert loop.guard.gate.claim_release()          # the gate's own release at t=65
+        now[0] = 70.0
+        loop._apply_cluster(release)
     skipped = [r for r in caplog.records if "cluster release_cache skipped" in r.getMessage()]
-    assert len(skipped) == 1 and "10.0 s ago" in skipped[0].getMessage()
-    assert loop._last_cluster_release_s == 31.0
+    assert len(skipped) == 2 and ran == [0.0, 31.0]
 
 
 # -- real TorchTrainer runs ----------------------------------------------------------------------

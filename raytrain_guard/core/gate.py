@@ -309,6 +309,14 @@ class StepGate:
             return True
         return self._clock() - self._last_release_s >= self.config.release_cache_min_interval_s
 
+    def claim_release(self) -> bool:
+        """Whether a cache release may run now, and if so, count it: the rank's one spacing
+        (``release_cache_min_interval_s``) for its gate's releases and the cluster's alike."""
+        if not self._release_spaced():
+            return False
+        self._last_release_s = self._clock()
+        return True
+
     def _critical_reason(self, frac: float) -> str | None:
         cfg = self.config
         if frac >= cfg.memory_critical_frac:

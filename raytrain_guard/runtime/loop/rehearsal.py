@@ -1,0 +1,120 @@
+"""What the experiment and rehearsals add to the loop: injected faults, a simulated card, the
+hang watchdog, the per-rank trace and the audit of consumed sample ids."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from raytrain_guard.core.memory_model import Strategy
+from raytrain_guard.errors import InputError
+
+logger = logging.getLogger("raytrain_guard.runtime.train_loop")
+
+
+
+_HANG_EXIT_CODE = 75     # EX_TEMPFAIL: the watchdog ended a hung process; Ray restarts the group
+
+
+def _fault_injector(faults: Mapping[str, Any], rank: int, factory: Callable[..., Any]) -> Any:
+    """``faults = {"delay": [{"seconds", "phase", "ranks", "steps": [lo, hi)}],
+    "ballast_bytes": {"<rank>": n}, "memory": [{"rank", "step", "frac"}]}`` -> a FaultInjector
+    (None when empty). ``memory`` fills the rank's memory to ``frac`` of its budget at ``step``."""
+    if not faults:
+        return None
+    injector = factory(world_rank=rank)
+    for spec in faults.get("delay", ()):
+        steps = spec.get("steps")
+        injector.delay(float(spec["seconds"]), phase=spec.get("phase", "forward"),
+                       ranks=spec.get("ranks"), steps=range(*steps) if steps else None)
+    ballast = dict(faults.get("ballast_bytes", {})).get(str(rank))
+    if ballast:
+        injector.allocate_ballast(int(ballast))
+    return injector
+
+
+class RehearsalMixin:
+    """The experiment's seams; all off in a plain run but the watchdog."""
+
+    def _build_faults(self, device: Any) -> None:
+        """Injected faults (``faults["inject"]``: FaultSpec dicts) and the card they count on:
+        ``device_memory_bytes`` simulates one on CPU and caps the real one on CUDA."""
+        import torch
+
+        from raytrain_guard.core.faults import FaultSpec
+        from raytrain_guard.runtime.faults import FaultRuntime, SimulatedDevice
+
+        cfg = self.config
+        if cfg.device_memory_bytes is not None:
+            if device.type == "cuda":
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(
+                    min(1.0, cfg.device_memory_bytes / total), device)
+            else:
+                self.sim_device = SimulatedDevice(cfg.device_memory_bytes, world_rank=self.rank)
+        specs = [FaultSpec.from_dict(d) for d in cfg.faults.get("inject", ())]
+        if any(s.kind == "comm_delay" for s in specs) and cfg.strategy not in (
+                Strategy.DDP, Strategy.ZERO1):
+            raise InputError("faults", "comm_delay is injected in the DDP communication hook",
+                             value=cfg.strategy.value, fix="use strategy ddp or zero1 with it")
+        if specs:
+            self.fault_runtime = FaultRuntime(
+                specs, world_rank=self.rank, marker_dir=cfg.faults.get("marker_dir"),
+                device=self.sim_device, torch_device=device)
+
+    def _trace_event(self, kind: str, **fields: Any) -> None:
+        if self._trace is None:
+            return
+        try:
+            self._trace.write(json.dumps({"t": kind, "attempt": self.attempt,
+                                          "wall": time.time(), **fields}, default=str) + "\n")
+            self._trace.flush()
+        except Exception:
+            logger.debug("rank %d: trace write failed", self.rank, exc_info=True)
+
+    def _start_watchdog(self) -> None:
+        from raytrain_guard.runtime.watchdog import StepWatchdog
+
+        guard = self.config.guard
+        try:
+            self.watchdog = StepWatchdog(floor_s=guard.hang_floor_s,
+                                         step_multiple=guard.hang_step_multiple,
+                                         on_hang=self._on_hang, world_rank=self.rank,
+                                         node_id=self.ctx.node_id or "")
+        except Exception:
+            logger.warning("rank %d: no hang watchdog", self.rank, exc_info=True)
+
+    def _on_hang(self, record: Mapping[str, Any]) -> None:
+        """The watchdog's call: write the hang down; when the guard acts, end this process so
+        that Ray restarts the group from the last checkpoint (the hung step never returns)."""
+        logger.error("hang: %s", record["reason"])
+        self._trace_event("hang", **record, acted=self.config.act)
+        if self.config.act:
+            time.sleep(1.0)            # the other ranks' watchdogs write their records too
+            logging.shutdown()
+            os._exit(_HANG_EXIT_CODE)
+
+    def _fill_memory(self, step: int) -> None:
+        """Rehearsal (``faults["memory"]``): hold ballast so this rank's memory reading reaches
+        ``frac`` of its budget at ``step``."""
+        for spec in [m for m in self.memory_faults if int(m["step"]) == step]:
+            if self.guard.probe is None or self.faults is None:
+                continue
+            # on the rank's device (a CUDA ballast tensor on GPU), counting reserved memory
+            self.faults.fill_to(self.guard.probe, float(spec["frac"]), device=self.device)
+            logger.warning("rank %d step %d: fault injected: memory filled to %.2f of the "
+                           "budget", self.rank, step, float(spec["frac"]))
+
+    def _log_ids(self, step: int, batch: Any) -> None:
+        ids = batch.get(self.config.sample_id_key) if isinstance(batch, Mapping) else None
+        if ids is None:
+            return
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        self._audit.write(json.dumps({"step": step, "epoch": self.loader.epoch, "ids": ids,
+                                      "resumed_from": self.resumed_from,
+                                      "attempt": self.attempt}) + "\n")
+        self._audit.flush()
