@@ -25,7 +25,7 @@ from raytrain_guard.runtime.timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepGuard", "release_cache"]
+__all__ = ["StepGuard"]
 
 
 class StepGuard:

@@ -396,7 +396,7 @@ class WorkerGuard:
 
     def _apply_cluster(self, decision: Decision) -> None:
         """Apply what the guard can apply itself; the rest is the loop's (:meth:`decisions`)."""
-        from raytrain_guard.runtime.step_guard import release_cache
+        from raytrain_guard.runtime.cache_release import release_cache
 
         action = decision.action
         if action is Action.RELEASE_CACHE:
