@@ -339,3 +339,19 @@ def test_no_release_on_cpu_ranks():
                                                         "device": "cpu"})
     assert c.decide() == []
     assert "no cache release: the run is on CPU" in c.status()["notes"][0]
+
+
+def test_a_restarted_group_gets_no_decision_of_the_attempt_before():
+    # a stop decided in attempt 0 for a later step must not stop attempt 1 (which resumed from
+    # the checkpoint that stop wrote): measured, a guard restart at 170 was followed by another
+    # at 190 from the first attempt's decision
+    c = coordinator()
+    for first in (1, 11):
+        for rank in range(4):
+            c.report_steps(rank, f"n{rank // 2}", 0, batch(rank, first, compute=0.9 if rank == 3
+                                                         else 0.5, comm=0.05))
+    (old,) = c.decide()
+    assert [d["decision_id"] for d in c.decisions_since(0)] == [old["decision_id"]]
+    c.report_steps(0, "n0", 1, batch(0, 21))                 # the group restarted
+    assert c.decisions_since(0) == []
+    assert c.status()["attempt"] == 1

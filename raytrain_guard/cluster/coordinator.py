@@ -154,6 +154,7 @@ class Coordinator:
         self._notes: tuple[str, ...] = ()
         self._decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS_KEPT)
         self._next_id = int(wall_clock() * 1e6)
+        self._first_id_of_attempt = 0          # decisions of earlier attempts: not handed out
         self.incarnation = uuid.uuid4().hex[:12]   # changes when the actor restarts
         self._last_round = clock()   # first round one interval after start
         self.ignored: Counter[str] = Counter({r: 0 for r in IGNORE_REASONS})
@@ -299,8 +300,11 @@ class Coordinator:
             return False
 
     def decisions_since(self, decision_id: int) -> list[dict]:
-        """Decisions with an id greater than ``decision_id``, oldest first."""
-        return [d.to_dict() for d in self._decisions if d.decision_id > decision_id]
+        """Decisions of the current attempt with an id greater than ``decision_id``, oldest
+        first. One decided for an earlier attempt (a stop that attempt already acted on) is
+        not handed to a restarted group: it would act again on a state that no longer is."""
+        first = max(decision_id, self._first_id_of_attempt)
+        return [d.to_dict() for d in self._decisions if d.decision_id > first]
 
     # -- effects -----------------------------------------------------------------------------
     def _pending_of(self, d: Decision, view: ClusterView) -> _Pending:
@@ -378,6 +382,7 @@ class Coordinator:
         logger.info("[run %s] attempt %d starts (was %d): rank state cleared", self.run_id,
                     attempt, self.attempt)
         self.attempt = attempt
+        self._first_id_of_attempt = self._next_id      # decisions before it were the old one's
         self._ranks.clear()
         self._state = PolicyState(missed=self._state.missed)   # what missed still misses
         self._scores = {}
