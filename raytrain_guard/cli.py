@@ -692,7 +692,7 @@ def add_demo_command(subparsers) -> None:
     """``raytrain-guard demo``: a short default experiment on an embedded local Ray cluster."""
     p = subparsers.add_parser(
         "demo", help="a short experiment: the guard observing vs acting under a few faults "
-                     "(about 2 minutes)",
+                     "(about a minute)",
         description="Start a local Ray cluster and run the same 2-worker training of the "
                     "built-in sequence model twice under the same faults (a slowed rank, then "
                     "a stretch of long sequences that overflows its card): once with the guard "

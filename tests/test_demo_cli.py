@@ -2,7 +2,7 @@
 
 It starts its own embedded Ray cluster and runs the default experiment: the same 2-worker
 training twice under the same faults, the guard observing and the guard acting, then prints the
-side-by-side table and the report's path. Slow (about 2 minutes): one run (marked ``ray``).
+side-by-side table and the report's path. Slow (about a minute): one run (marked ``ray``).
 """
 
 import re
