@@ -20,7 +20,8 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import GuardError, InputError, PlanInputError
