@@ -222,9 +222,9 @@ def format_plan(d: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     verdict = "FITS" if d["fits"] else "DOES NOT FIT"
     rows.append(("verdict", f"{verdict}: {d['arithmetic']}"))
-    rows.append(("model", f"{_format_count(d['num_params'])} parameters "
-                          f"({_format_count(d['num_trainable_params'])} trainable), activations "
-                          f"{d['activations_source']}"))
+    rows.append(("model", (f"{_format_count(d['num_params'])} parameters "
+                           f"({_format_count(d['num_trainable_params'])} trainable), "
+                           f"activations {d['activations_source']}")))
     rows.append(("setup", f"{d['strategy']}, {d['precision']}, {d['optimizer']}, "
                           f"{d['world_size']} ranks ({d['gpus_per_node']} per node)"))
     for key in ("params", "buffers", "grads", "optimizer", "activations", "temp", "comm",

@@ -390,3 +390,14 @@ def test_node_ids_are_short_in_messages_and_whole_in_params():
     (d,) = out.decisions
     assert "node ffffffff... GPU 0 at 95%" in d.reason and node_id not in d.reason
     assert out.notes[0].startswith("node ffffffff...: every GPU counts")
+
+
+def test_due_at_splits_pending_and_polled_decisions_by_their_step():
+    from raytrain_guard.core.decisions import Action, Decision, due_at
+    old = Decision(Action.CHECKPOINT, "old", 10)
+    later = Decision(Action.CHECKPOINT, "later", 30)
+    now = Decision(Action.CHECKPOINT, "now", None)
+    polled_later = Decision(Action.CHECKPOINT, "polled later", 40)
+    due, waiting = due_at(20, [old, later], [now, polled_later])
+    assert due == [old, now] and waiting == [later, polled_later]
+    assert due_at(20, [], None) == ([], [])

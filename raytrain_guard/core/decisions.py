@@ -81,3 +81,15 @@ class Decision:
     def __str__(self) -> str:
         when = f" at step {self.step}" if self.step is not None else ""
         return f"{self.action.value}{when} [{self.scope}]: {self.reason}"
+
+
+def due_at(step: int, pending: list[Decision], polled: Any) -> tuple[list[Decision],
+                                                                    list[Decision]]:
+    """``(due, still_pending)`` at the boundary after ``step`` steps: the pending decisions
+    whose step has come, then the newly ``polled`` ones due now; those for a later step wait
+    (pure)."""
+    due = [d for d in pending if d.step is not None and d.step <= step]
+    waiting = [d for d in pending if d not in due]
+    for decision in polled or ():
+        (waiting if decision.step is not None and decision.step > step else due).append(decision)
+    return due, waiting

@@ -334,6 +334,12 @@ class GuardedDataLoader:
         """Batches this rank has delivered in the current epoch (resumed ones included)."""
         return self._pos.batches_consumed
 
+    @property
+    def samples_consumed(self) -> int:
+        """The epoch's position in samples of all ranks together (independent of the world
+        size and the batch size): what the resume state records."""
+        return self._pos.samples_consumed
+
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning; a no-op for the current epoch (keeps a resume)."""
         check_int("epoch", epoch, fix="pass the epoch number, from 0")

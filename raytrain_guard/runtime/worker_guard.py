@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.decisions import Action, Cause, Decision
+from raytrain_guard.core.decisions import Action, Cause, Decision, due_at
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.runtime.dropin_loader import DropInDataLoader, default_collate, unguardable
 
@@ -352,16 +352,11 @@ class WorkerGuard:
         stats = self.step_guard.drain_stats() if self._stats_due(step, local) else []
         if stats and self.metrics is not None:
             self._safe("metrics", self.metrics.record, stats)
-        due = [d for d in self.pending if d.step is not None and d.step <= step]
-        if due:
-            self.pending = [d for d in self.pending if d not in due]
         control = self.control
         control.local_stop = self._local_stop is not None      # rides on a lockstep round
         rounds_before = control.num_rounds
-        if self.source is not None:
-            for decision in self.source.poll(step, stats) or ():
-                (self.pending.append(decision) if decision.step is not None
-                 and decision.step > step else due.append(decision))
+        polled = self.source.poll(step, stats) if self.source is not None else ()
+        due, self.pending = due_at(step, self.pending, polled)
         stop = None
         for decision in due:
             mine = self._concerns_me(decision)

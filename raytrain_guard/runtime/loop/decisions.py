@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from raytrain_guard.core.decisions import Action, Cause, Decision
+from raytrain_guard.core.decisions import Action, Cause, Decision, due_at
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import InputError
 
@@ -34,15 +34,12 @@ class DecisionsMixin:
                 self._local_stop = decision
             elif decision.action is Action.SLOW_STEP and decision.cause is Cause.DATA:
                 self._add_loader_workers(step, decision)
-        due = [d for d in self.pending if d.step is not None and d.step <= step]
-        self.pending = [d for d in self.pending if d not in due]
         control = self.control
         control.local_stop = self._local_stop is not None    # rides on a lockstep round too
         rounds_before = control.num_rounds
-        if cfg.decision_source is not None:
-            for decision in cfg.decision_source.poll(step, stats) or ():
-                (self.pending.append(decision) if decision.step is not None
-                 and decision.step > step else due.append(decision))
+        polled = cfg.decision_source.poll(step, stats) if cfg.decision_source is not None \
+            else ()
+        due, self.pending = due_at(step, self.pending, polled)
         stop = False
         for decision in due:
             self._record(step, decision, applied=act and self._concerns_me(decision))

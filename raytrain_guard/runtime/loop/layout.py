@@ -176,7 +176,7 @@ class LayoutMixin:
                        "%d unchanged, loader rebuilt at sample %d of epoch %d): %s", self.rank,
                        self.step, old[0], verdict[0], old[1], verdict[1],
                        old[0] * old[1] * self.world_size,
-                       self.loader.state_dict()["samples_consumed"], self.loader.epoch,
+                       self.loader.samples_consumed, self.loader.epoch,
                        decision.reason)
         self.batch_changes.append({**entry, "applied": True, "reason": decision.reason})
 

@@ -115,7 +115,7 @@ class StepsMixin:
         loader, mb = self.loader, self.micro_batch
         per_epoch = len(loader)
         # the position in samples of all ranks: right also after a resume on another layout
-        consumed = loader.state_dict()["samples_consumed"]
+        consumed = loader.samples_consumed
         position = -(-consumed // (mb * self.world_size)) % per_epoch if per_epoch else 0
         left = per_epoch - position
         if left < self.grad_accum and self.config.epoch_tail == "drop":
