@@ -57,7 +57,8 @@ def _positive_int(text: str) -> int:
 KINDS: Mapping[str, FaultKind] = {
     "comm_delay": FaultKind({"seconds": (_positive_float, None)},
                             "a slow or congested link: the rank's gradient communication waits "
-                            "`seconds` per step (in the DDP communication hook)", "communication"),
+                            "`seconds` per step (DDP's communication hook; FSDP2's first "
+                            "reduce-scatter)", "communication"),
     "slow_compute": FaultKind({"factor": (_factor, None)},
                               "a down-clocked GPU: the rank's forward and backward take `factor` "
                               "times as long", "compute"),

@@ -83,9 +83,6 @@ class ExperimentSetup:
                 raise InputError("--fault", f"rank {max(f.ranks)} of {f} is not below "
                                  f"--workers {self.num_workers}", value=str(f),
                                  fix=f"use ranks 0..{self.num_workers - 1}")
-            if f.kind == "comm_delay" and self.strategy not in ("ddp", "zero1"):
-                raise InputError("--fault", "comm_delay is injected in the DDP communication "
-                                 "hook", value=str(f), fix="use --strategy ddp or zero1 with it")
         memory_kinds = {"memory_growth", "activation_spike"}
         if any(f.kind in memory_kinds for f in self.faults) and not self.card_bytes():
             raise InputError("--device-memory", "memory faults need a card to overflow",

@@ -258,6 +258,17 @@ class FaultRuntime:
                 self.num_injected += 1
                 self._sleep((float(spec.params["factor"]) - 1.0) * elapsed_s)
 
+    def delay_comm(self) -> None:
+        """A slow link under FSDP2: the first reduce-scatter of a step while a ``comm_delay``
+        is active starts ``seconds`` late (the peers wait for it inside the collective)."""
+        seconds = sum(float(s.params["seconds"]) for s in self.of("comm_delay")
+                      if s.active(self.step))
+        if not seconds or self._comm_slept_step == self.step:
+            return
+        self._comm_slept_step = self.step
+        self.num_injected += 1
+        self._sleep(seconds)
+
     def comm_hook(self) -> Any:
         """A DDP communication hook (allreduce) whose futures complete ``seconds`` late once
         per step while a ``comm_delay`` is active; None without one."""

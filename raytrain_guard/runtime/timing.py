@@ -1,9 +1,10 @@
-"""Step timing: cheap phase marks, and a DDP communication hook that times the allreduce.
+"""Step timing: cheap phase marks, and communication timers for DDP and FSDP2.
 
 :class:`StepTimer` stamps a step's phases (host clock on CPU, CUDA events on CUDA, never
 synchronized) and sums them into :class:`~raytrain_guard.core.steps.StepStats`;
-:func:`attach_comm_timer` adds the communication wait. What each figure means:
-docs/train_loop.md, "Step timings".
+:func:`attach_comm_timer` (a DDP communication hook) and :func:`attach_fsdp_comm_timer` (FSDP2's
+custom collectives) add the communication wait. What each figure means: docs/train_loop.md,
+"Step timings".
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ UNTIMED = -1
 class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
-    __slots__ = ("done", "last_ready", "lender", "lends_end", "marks", "released", "step")
+    __slots__ = ("collectives", "done", "last_ready", "lender", "lends_end", "marks",
+                 "released", "step")
 
     def __init__(self, start: Any, lender: "_StepRecord | None" = None) -> None:
         self.step: int | None = None     # None: nobody began it (it opened where the last ended)
         self.marks: list[tuple[int, Any]] = [(UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
+        # host clock only: (start, end) of collectives the training thread blocked in (FSDP2)
+        self.collectives: list[tuple[float, float]] = []
         # CUDA event pooling: a step that starts where the previous one ended shares that
         # record's end event; the later step gives it back, never the lender
         self.lender = lender
@@ -211,6 +215,15 @@ class StepTimer:
         """A bucket's allreduce future completed."""
         self._record.done.append(self._stamp())
 
+    def record_collective(self, start: float, end: float) -> None:
+        """Host timers only: the training thread was blocked in a collective from ``start`` to
+        ``end`` (host clock). It counts as communication wait, not as the phase it fell in."""
+        self._record.collectives.append((start, end))
+
+    def now(self) -> float:
+        """The host clock this timer stamps with."""
+        return self._clock()
+
     # -- internals ---------------------------------------------------------------------------
     def _stamp(self) -> Any:
         if self._events is None:
@@ -233,6 +246,8 @@ class StepTimer:
             # record starts and ends with an UNTIMED stamp)
             start = marks[-2][1]
             sums[_OPTIMIZER] += prev - start if elapsed is None else elapsed(start, prev)
+        blocked_s = _blocked_by_phase(marks, record.collectives, sums) \
+            if record.collectives else 0.0
         comm_wait_s = 0.0
         if record.last_ready is not None and record.done:
             if elapsed is None:
@@ -240,8 +255,35 @@ class StepTimer:
             else:
                 comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
         return StepStats(record.step, total_s, sums[0], sums[1],      # positional: per step
-                         max(0.0, sums[2] - comm_wait_s), comm_wait_s, sums[3], memory_frac,
-                         self.world_rank)
+                         max(0.0, sums[2] - comm_wait_s), comm_wait_s + blocked_s, sums[3],
+                         memory_frac, self.world_rank)
+
+
+def _blocked_by_phase(marks: list[tuple[int, Any]], collectives: list[tuple[float, float]],
+                      sums: list[float]) -> float:
+    """Take the time spent blocked in ``collectives`` out of the phases it fell in (``sums``,
+    in place) and return it. Host stamps; marks and collectives are both in time order, so
+    one walk over the two does it."""
+    blocked = 0.0
+    i, n = 0, len(collectives)
+    prev = marks[0][1]
+    last = len(marks) - 1
+    for k, (slot, stamp) in enumerate(marks):
+        if k == last and marks[-2][0] == _BACKWARD:
+            slot = _OPTIMIZER            # the close after a backward mark is the optimizer's
+        while i < n and collectives[i][0] < stamp:
+            start, end = collectives[i]
+            if end > stamp:              # runs past this mark: split it there
+                collectives[i] = (stamp, end)
+                end = stamp
+            else:
+                i += 1
+            spent = end - max(start, prev)
+            if slot >= 0 and spent > 0:
+                sums[slot] -= spent
+                blocked += spent
+        prev = stamp
+    return blocked
 
 
 def _unknown_phase(phase: Any) -> InputError:
@@ -310,3 +352,92 @@ def _fail_open(fn: Callable, *args: Any) -> None:
             _hook_failed = True
             logger.warning("communication timing failed; communication waits read 0 from now "
                            "on where it fails", exc_info=True)
+
+
+def attach_fsdp_comm_timer(module: Any, timer: StepTimer, *,
+                           before_reduce_scatter: Callable[[], None] | None = None) -> int:
+    """Time FSDP2's all-gathers and reduce-scatters into ``timer``; returns the units timed.
+
+    Every FSDP2 unit of ``module`` gets its collectives through ``set_custom_all_gather`` and
+    ``set_custom_reduce_scatter``, wrapping PyTorch's default ones. On the host clock (gloo)
+    every collective blocks the training thread, so its whole time is communication wait and
+    is taken out of the forward or backward it fell in. On CUDA the collectives run on side
+    streams beside compute: only the reduce-scatter tail after the last gradient is counted,
+    as for DDP (the all-gathers' exposed waits are not measured there).
+    ``before_reduce_scatter`` runs before each reduce-scatter (the fault seam of a slow link).
+    A unit that refuses custom collectives (several parameter groups) is left untimed.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            DefaultAllGather,
+            DefaultReduceScatter,
+        )
+    except ImportError as exc:   # the defaults are not public: degrade, never break the run
+        logger.warning("FSDP2 communication not timed: %s", exc)
+        return 0
+    gather = _TimedAllGather(DefaultAllGather(), timer)
+    scatter = _TimedReduceScatter(DefaultReduceScatter(), timer, before_reduce_scatter)
+    timed = 0
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        try:
+            unit.set_custom_all_gather(gather)
+            unit.set_custom_reduce_scatter(scatter)
+            timed += 1
+        except ValueError as exc:
+            logger.warning("FSDP2 unit %s not timed: %s", type(unit).__name__, exc)
+    return timed
+
+
+class _TimedAllGather:
+    """FSDP2's default all-gather, run to completion and timed on the host clock; on CUDA
+    passed through."""
+
+    def __init__(self, inner: Any, timer: StepTimer) -> None:
+        self.inner = inner
+        self.timer = timer
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any,
+                 async_op: bool = False) -> Any:
+        if not self.timer.on_host:
+            return self.inner(output_tensor, input_tensor, group, async_op)
+        start = self.timer.now()
+        # synchronous: FSDP2 reads a None work as an all-gather that is already complete
+        self.inner(output_tensor, input_tensor, group, False)
+        _fail_open(self.timer.record_collective, start, self.timer.now())
+        return None
+
+
+class _TimedReduceScatter:
+    """FSDP2's default reduce-scatter, timed: the blocked time on the host clock, the tail
+    after the last gradient on CUDA (events on the reduce-scatter stream)."""
+
+    def __init__(self, inner: Any, timer: StepTimer,
+                 before: Callable[[], None] | None = None) -> None:
+        self.inner = inner
+        self.timer = timer
+        self.before = before
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        if not self.timer.on_host:
+            _fail_open(self.timer.record_bucket_ready, True)
+            if self.before is not None:
+                self.before()
+            work = self.inner(output_tensor, input_tensor, group, op, async_op)
+            _fail_open(self.timer.record_bucket_done)
+            return work
+        start = self.timer.now()
+        if self.before is not None:
+            self.before()
+        self.inner(output_tensor, input_tensor, group, op, False)
+        _fail_open(self.timer.record_collective, start, self.timer.now())
+        return None

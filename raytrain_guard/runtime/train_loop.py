@@ -179,7 +179,11 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
     def _build_guard(self) -> None:
         from raytrain_guard.runtime.probes import FaultInjector
         from raytrain_guard.runtime.step_guard import StepGuard
-        from raytrain_guard.runtime.timing import StepTimer, attach_comm_timer
+        from raytrain_guard.runtime.timing import (
+            StepTimer,
+            attach_comm_timer,
+            attach_fsdp_comm_timer,
+        )
 
         cfg = self.config
         self.faults = _fault_injector(cfg.faults, self.rank, FaultInjector)
@@ -197,6 +201,9 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
             except Exception:
                 logger.warning("rank %d: communication timer not attached", self.rank,
                                exc_info=True)
+        elif self.planned.kind == "fsdp2":
+            attach_fsdp_comm_timer(self.planned.module, timer, before_reduce_scatter=(
+                self.fault_runtime.delay_comm if self.fault_runtime is not None else None))
         self.metrics = _rank_metrics(self.rank, cfg.guard, self.loader)
 
     def _probe(self) -> Any:

@@ -10,9 +10,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from raytrain_guard.core.memory_model import Strategy
-from raytrain_guard.errors import InputError
-
 logger = logging.getLogger("raytrain_guard.runtime.train_loop")
 
 
@@ -57,10 +54,6 @@ class RehearsalMixin:
             else:
                 self.sim_device = SimulatedDevice(cfg.device_memory_bytes, world_rank=self.rank)
         specs = [FaultSpec.from_dict(d) for d in cfg.faults.get("inject", ())]
-        if any(s.kind == "comm_delay" for s in specs) and cfg.strategy not in (
-                Strategy.DDP, Strategy.ZERO1):
-            raise InputError("faults", "comm_delay is injected in the DDP communication hook",
-                             value=cfg.strategy.value, fix="use strategy ddp or zero1 with it")
         if specs:
             self.fault_runtime = FaultRuntime(
                 specs, world_rank=self.rank, marker_dir=cfg.faults.get("marker_dir"),
