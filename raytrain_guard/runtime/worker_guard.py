@@ -185,7 +185,7 @@ class WorkerGuard:
         """Ray's ``prepare_model`` with the planned bucket cap, the communication timer and the
         phase hooks (see :func:`raytrain_guard.train.prepare_model`)."""
         from raytrain_guard.runtime.model import parse_strategy, wrap_model
-        from raytrain_guard.runtime.timing import attach_comm_timer
+        from raytrain_guard.runtime.timing import attach_comm_timer, attach_fsdp_comm_timer
 
         self.build()
         kwargs = dict(parallel_strategy_kwargs or {})
@@ -221,6 +221,8 @@ class WorkerGuard:
             except Exception:  # fail open: no communication wait figures
                 logger.warning("rank %d: communication timer not attached (a comm hook of "
                                "your own?)", self.rank, exc_info=True)
+        elif self.world_size > 1 and _is_fsdp2(module):
+            attach_fsdp_comm_timer(module, self.step_guard.timer)
         self._hooks.append(module.register_forward_hook(self._on_forward))
         return module
 
@@ -599,3 +601,11 @@ def current_guard() -> WorkerGuard:
     if _current is None:
         _current = WorkerGuard()
     return _current
+
+
+def _is_fsdp2(module: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
