@@ -11,12 +11,21 @@ so that Ray's FailureConfig restarts the group from the last checkpoint, within 
 The loop tells it only where a step begins, which phase it enters, and where it ends: three
 attribute writes and a clock read; the thread does the rest. Between steps (checkpoints, the
 report barrier) nothing is watched.
+
+When it fires, the record also says where the watched thread is (``where``: its innermost
+Python frame) and whether that frame is inside ``torch.distributed`` (``in_collective``): a
+rank blocked in FSDP's all-gather or a ``barrier`` waits for another rank, a rank stuck in a
+kernel or a user's lock does not. DDP's all-reduce wait runs in the autograd engine, below any
+Python frame; there the phase (backward) tells it. The coordinator names the hung rank from
+every rank's record (:mod:`raytrain_guard.core.hang`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -30,18 +39,22 @@ class StepWatchdog:
     """Watches the step in progress of one rank (see the module docstring).
 
     ``warmup_steps``: steps that must end before it arms (start-up, the first DDP iteration).
+    The watched thread is the one that builds the watchdog (the training thread).
     ``clock`` and ``start_thread`` are seams for tests, which call :meth:`check` by hand.
     """
 
     def __init__(self, *, floor_s: float, step_multiple: float,
                  on_hang: Callable[[dict[str, Any]], None], world_rank: int = 0,
-                 node_id: str = "", warmup_steps: int = 3, interval_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic, start_thread: bool = True) -> None:
+                 node_id: str = "", world_size: int | None = None, warmup_steps: int = 3,
+                 interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic,
+                 start_thread: bool = True) -> None:
         self.floor_s = floor_s
         self.step_multiple = step_multiple
         self.on_hang = on_hang
         self.world_rank = world_rank
         self.node_id = node_id
+        self.world_size = world_size
+        self._watched = threading.get_ident()
         self.warmup_steps = warmup_steps
         self.interval_s = interval_s
         self._clock = clock
@@ -92,11 +105,14 @@ class StepWatchdog:
         running = now - self.step_since
         if running <= limit:
             return None
+        in_collective, where = thread_position(self._watched)
         self.fired = {
             "world_rank": self.world_rank, "node_id": self.node_id, "step": step,
+            "world_size": self.world_size,
             "phase": self.phase, "phase_for_s": round(now - self.phase_since, 3),
             "step_for_s": round(running, 3), "limit_s": round(limit, 3),
             "last_progress_wall": time.time() - (now - self.phase_since),
+            "in_collective": in_collective, "where": where,
             "reason": (f"rank {self.world_rank} (node {self.node_id[:8]}) step {step} has run "
                        f"{running:.1f} s, over its limit of {limit:.1f} s; it has been in "
                        f"{self.phase} for {now - self.phase_since:.1f} s"),
@@ -114,3 +130,15 @@ class StepWatchdog:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def thread_position(thread_ident: int) -> tuple[bool | None, str]:
+    """``(in torch.distributed, "file:line function")`` of a thread's innermost Python frame;
+    ``(None, "")`` when the thread is gone. Read once, when a hang is named."""
+    frame = sys._current_frames().get(thread_ident)
+    if frame is None:
+        return None, ""
+    path = frame.f_code.co_filename.replace(os.sep, "/")
+    short = path.split("site-packages/", 1)[-1] if "site-packages/" in path else \
+        "/".join(path.split("/")[-3:])
+    return "torch/distributed/" in path, f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
