@@ -22,12 +22,16 @@ could start its decision source, so either all ranks run the lockstep or none do
 (``poll(step, stats) -> list[Decision]``): it feeds the client, hands fetched decisions to
 :class:`~raytrain_guard.cluster.lockstep.Lockstep` and returns what every rank applies at this
 step. The coordinator actor methods used: ``report_steps(world_rank, node_id, attempt,
-stats, setup)`` and ``decisions_since(decision_id) -> list[dict]``.
+stats, setup)``, ``decisions_since(decision_id) -> list[dict]`` and, from a rank's hang
+watchdog, ``report_hang(world_rank, node_id, attempt, record) -> dict | None``
+(:func:`send_hang_record`: the one call that waits, at most :data:`HANG_REPORT_TIMEOUT_S`, off
+the training thread).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -46,6 +50,10 @@ slack, far beyond a healthy round trip of a few milliseconds."""
 ATTEMPT_TIMEOUT_S = 30.0
 """How long rank 0 waits for the coordinator's ``next_attempt`` at start, while the other ranks
 wait in the agreement: long enough for Ray to restart a coordinator that died just then."""
+HANG_REPORT_TIMEOUT_S = 1.5
+"""How long a rank's hang watchdog waits for the coordinator to take its record before the
+process ends: a slow or dead coordinator must not hold the exit (and so the restart) longer
+than this. A healthy round trip is milliseconds; 1.5 s also covers a name lookup."""
 
 
 def coordinator_name(run_id: str) -> str:
@@ -211,6 +219,14 @@ class CoordinatorClient:
             self._note_failure(exc)
         return self._handle
 
+    def report_hang(self, record: Mapping[str, Any],
+                    timeout_s: float = HANG_REPORT_TIMEOUT_S) -> dict[str, Any] | None:
+        """Send this rank's hang watchdog record (from the watchdog's thread); the coordinator's
+        verdict, or None when it did not answer within ``timeout_s``. Never raises."""
+        return send_hang_record(self.name, self.namespace, self.world_rank, self.node_id,
+                                self.attempt, record, timeout_s=timeout_s,
+                                handle=self._handle, lookup=self.lookup)
+
     def _lose(self, exc: BaseException) -> None:
         self._handle = None
         self._reports = []
@@ -277,6 +293,11 @@ class LockstepDecisionSource:
         """This rank's log of ``(step, decision_id)`` applied."""
         return self.lockstep.applied
 
+    def report_hang(self, record: Mapping[str, Any],
+                    timeout_s: float = HANG_REPORT_TIMEOUT_S) -> dict[str, Any] | None:
+        """The watchdog's record to the coordinator (:meth:`CoordinatorClient.report_hang`)."""
+        return self.client.report_hang(record, timeout_s) if self.client is not None else None
+
     def bind_setup(self, setup: Callable[[], Mapping[str, Any]]) -> None:
         """Report ``setup()`` (micro_batch, grad_accum, prefetch_factor as the rank runs now)
         with every batch of statistics; the train loop calls this once before training."""
@@ -331,6 +352,15 @@ class ClusterDecisionSource:
     @property
     def applied(self) -> list[tuple[int, int]]:
         return self._source.applied if self._source is not None else []
+
+    def report_hang(self, record: Mapping[str, Any],
+                    timeout_s: float = HANG_REPORT_TIMEOUT_S) -> dict[str, Any] | None:
+        """A rank's hang watchdog record to the coordinator, once this source started (the
+        watchdog arms after the first steps, so it has); None otherwise. Never raises."""
+        source = self._source
+        if isinstance(source, LockstepDecisionSource):
+            return source.report_hang(record, timeout_s)
+        return None
 
     def _build(self) -> LockstepDecisionSource | _NoDecisions:
         """On every rank at the same step: the lockstep source, or no cluster decisions on
@@ -422,6 +452,39 @@ def fetch_attempt(name: str, namespace: str | None,
     coordinator does not answer within ``timeout_s``. Touches ``ray.get``."""
     import ray
     return int(ray.get(lookup_actor(name, namespace).next_attempt.remote(), timeout=timeout_s))
+
+
+def send_hang_record(name: str, namespace: str | None, world_rank: int, node_id: str,
+                     attempt: int, record: Mapping[str, Any], *,
+                     timeout_s: float = HANG_REPORT_TIMEOUT_S, handle: Any = None,
+                     lookup: Callable[[str, str | None], Any] = lookup_actor
+                     ) -> dict[str, Any] | None:
+    """``Coordinator.report_hang`` with a bounded wait: the lookup (when ``handle`` is None)
+    and the call run on a daemon thread, joined for at most ``timeout_s``; the coordinator's
+    verdict (a dict), or None when it failed or did not answer in time (fail open: the caller
+    goes on to end its process). Touches ``ray.get``."""
+    answer: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            import ray
+            target = handle if handle is not None else lookup(name, namespace)
+            answer["verdict"] = ray.get(target.report_hang.remote(
+                world_rank, node_id, attempt, dict(record)), timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - fail open
+            answer["error"] = exc
+
+    started = time.monotonic()
+    thread = threading.Thread(target=send, name="raytrain-guard-hang-report", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "verdict" in answer:
+        return answer["verdict"]
+    why = repr(answer["error"]) if "error" in answer else \
+        f"no answer within {timeout_s:g} s"
+    logger.warning("rank %d: the coordinator did not take the hang record (%s, after %.1f s); "
+                   "going on", world_rank, why, time.monotonic() - started)
+    return None
 
 
 def agree_on_start(attempt: int, started: bool) -> tuple[int, bool]:

@@ -27,6 +27,14 @@ Actor methods (stable; the worker client, the monitors and the status CLI call t
 * ``set_plan(plan) -> bool``: the run's ``core.effects.RunPlan.to_dict()`` (model, activation
   profile, training setup, device memory, gradient-sync mode); without it memory actions are
   unpriced (today's ladder). Also the ``plan=`` constructor argument.
+* ``report_hang(world_rank, node_id, attempt, record) -> dict | None``: a rank's hang watchdog
+  record (``runtime.watchdog.StepWatchdog``: step, phase, ``phase_for_s``, ``step_for_s``,
+  ``last_progress_wall``, ``in_collective``, ``world_size``), sent from its watchdog thread
+  before the process ends. The coordinator keeps them per attempt and names the hung rank
+  (:func:`raytrain_guard.core.hang.name_hung_rank`, with the ranks that reported steps in
+  that attempt); the answer is the verdict so far (``attempt`` added).
+  ``status()["hangs"]``: one verdict per attempt with a hang, oldest first, with its records.
+  A settled verdict is logged once and counted (``metrics.record_hang(verdict)``).
 * ``ping() -> str``.
 
 Effects (issue 11): a release, shrink, prefetch change or pacing decision is measured once
@@ -69,6 +77,7 @@ from typing import Any, Callable, Mapping, Sequence
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Decision
 from raytrain_guard.core.effects import RunPlan, measure, missed
+from raytrain_guard.core.hang import HangRecord, HungRank, name_hung_rank
 from raytrain_guard.core.node_samples import NodeSample, RunSetup
 from raytrain_guard.core.policy import (
     ClusterView,
@@ -94,6 +103,8 @@ RECENT_BATCHES_KEPT = 8
 """Per rank, the (first, last) steps of recent batches, to tell a duplicate from a late batch."""
 
 IGNORE_REASONS = ("stale", "duplicate", "out_of_order", "malformed")
+HANG_ATTEMPTS_KEPT = 16
+"""Attempts whose hang records are kept for ``status()`` (a run restarts a handful of times)."""
 
 MEASURED_ACTIONS = (Action.RELEASE_CACHE, Action.SHRINK_MICRO_BATCH, Action.SET_PREFETCH,
                     Action.PACE)
@@ -110,6 +121,20 @@ class _Pending:
                  host_before: float | None, node_id: str | None) -> None:
         self.decision, self.before = decision, before
         self.host_before, self.node_id = host_before, node_id
+
+
+class _Hangs:
+    """One attempt's hang records: per rank the latest, when the first arrived, and the ranks
+    (and their nodes) that reported steps in that attempt."""
+
+    __slots__ = ("announced", "expected", "first_at", "nodes", "records")
+
+    def __init__(self, first_at: float) -> None:
+        self.first_at = first_at
+        self.records: dict[int, HangRecord] = {}
+        self.expected: set[int] = set()
+        self.nodes: dict[int, str] = {}
+        self.announced = False
 
 
 class _Rank:
@@ -164,6 +189,7 @@ class Coordinator:
         self._warned: set[str] = set()
         self._pending: dict[int, _Pending] = {}
         self._plan: RunPlan | None = None
+        self._hangs: dict[int, _Hangs] = {}       # attempt -> its hang records
         if plan is not None:
             self.set_plan(plan)
 
@@ -239,6 +265,53 @@ class Coordinator:
         self._nodes[s.node_id] = (s, self._clock())
         self.num_node_samples += 1
         self._maybe_decide()
+
+    def report_hang(self, world_rank: int, node_id: str, attempt: int,
+                    record: Mapping[str, Any]) -> dict | None:
+        """A rank's hang watchdog record; returns the verdict on its attempt so far (None for
+        a malformed record, counted). Never raises."""
+        try:
+            rank, att = _int(world_rank), _int(attempt)
+            rec = HangRecord.from_dict({**dict(record), "world_rank": rank,
+                                        "node_id": str(node_id or record.get("node_id") or "")})
+        except Exception as exc:  # noqa: BLE001 - whatever arrives, count it and go on
+            self._ignore("malformed", f"hang record from rank {world_rank!r}: {exc}")
+            return None
+        entry = self._hangs.get(att)
+        if entry is None:
+            entry = self._hangs[att] = _Hangs(self._clock())
+            for old in sorted(self._hangs)[:-HANG_ATTEMPTS_KEPT]:
+                del self._hangs[old]
+        entry.records[rank] = rec
+        if att == self.attempt:           # the ranks that reported steps in this attempt
+            entry.expected |= set(self._ranks)
+            entry.nodes.update({r: e.node_id for r, e in self._ranks.items()})
+        logger.warning("[run %s] attempt %d: rank %d's watchdog fired: %s (at %s)", self.run_id,
+                       att, rank, rec.describe(), rec.where or "?")
+        verdict = self._hang_verdict(att, entry)
+        return None if verdict is None else {"attempt": att, **verdict.to_dict()}
+
+    def _hang_verdict(self, attempt: int, entry: _Hangs) -> HungRank | None:
+        """The verdict on one attempt now; a settled one is logged and counted once."""
+        verdict = name_hung_rank(entry.records.values(), entry.expected,
+                                 waited_s=self._clock() - entry.first_at, nodes=entry.nodes)
+        if verdict is not None and verdict.settled and not entry.announced:
+            entry.announced = True
+            logger.warning("[run %s] attempt %d: %s", self.run_id, attempt, verdict.reason)
+            record = getattr(self._metrics, "record_hang", None)
+            if record is not None:
+                self._safe_metrics(lambda: record(verdict))
+        return verdict
+
+    def _hang_status(self) -> list[dict]:
+        out = []
+        for att in sorted(self._hangs):
+            entry = self._hangs[att]
+            verdict = self._hang_verdict(att, entry)
+            if verdict is not None:
+                out.append({"attempt": att, **verdict.to_dict(), "records": [
+                    dataclasses.asdict(entry.records[r]) for r in sorted(entry.records)]})
+        return out
 
     def next_attempt(self) -> int:
         """A new attempt number for a starting worker group (its rank 0 asks): one larger than
@@ -428,6 +501,7 @@ class Coordinator:
                 "effects": [d.to_dict() for d in self._decisions
                             if d.measured is not None][-20:],
                 "missed": sorted(self._state.missed), "plan": self._plan is not None,
+                "hangs": self._hang_status(),
                 "active_decisions": active, "notes": list(self._notes),
                 "ignored": dict(self.ignored), "num_reports": self.num_reports,
                 "num_node_samples": self.num_node_samples, "num_rounds": self.num_rounds}

@@ -436,6 +436,8 @@ def summarize(run_id: str, results: Mapping[str, Any], status: Mapping[str, Any]
     detections += [f"straggler node {n}" for n in status.get("straggler_nodes") or []
                    if n not in flagged]
     detections += list(status.get("notes") or [])
+    detections += [f"hang in attempt {h.get('attempt')}: {h.get('reason')}"
+                   for h in status.get("hangs") or []]
     if status.get("coordinator_lost"):
         detections.append("coordinator unreachable at the end of the run (training went on "
                           "under the local gate); step times are from its last status")

@@ -70,6 +70,7 @@ STRAGGLER_NODE = _declare("straggler_node", "gauge", *_RUN, "node_id")
 STEP_TIME = _declare("step_time_seconds", "gauge", *_RUN, "quantile")
 DECISIONS = _declare("decisions_total", "counter", *_RUN, "action")
 IGNORED = _declare("ignored_reports_total", "counter", *_RUN, "reason")
+HANGS = _declare("hangs_total", "counter", *_RUN, WORLD_RANK_TAG, "node_id", "phase", "basis")
 # each training rank (RankMetrics)
 RANK_STEP = _declare("rank_step_seconds", "gauge", *_RANK)
 RANK_PHASE = _declare("rank_phase_seconds", "gauge", *_RANK, "phase")
@@ -155,6 +156,8 @@ class CoordinatorMetrics:
         self._step = _gauge(STEP_TIME, "step time across ranks")
         self._decisions = _counter(DECISIONS, "cluster decisions made")
         self._ignored = _counter(IGNORED, "reports counted and ignored")
+        self._hangs = _counter(HANGS, "hung attempts, labelled with the rank the coordinator "
+                                      "named (empty when it could not tell)")
 
     def record_round(self, scores: Mapping[int, StragglerScore], nodes_of: Mapping[int, str],
                      flagged: set[str] | frozenset[str], all_nodes: set[str],
@@ -174,6 +177,13 @@ class CoordinatorMetrics:
 
     def record_ignored(self, reason: str) -> None:
         self._ignored.inc(1.0, tags={**self._run, "reason": reason})
+
+    def record_hang(self, verdict: Any) -> None:
+        """One attempt's settled hang verdict (``core.hang.HungRank``)."""
+        rank = "" if verdict.world_rank is None else str(verdict.world_rank)
+        self._hangs.inc(1.0, tags={**self._run, WORLD_RANK_TAG: rank,
+                                   "node_id": verdict.node_id or "", "phase": verdict.phase or "",
+                                   "basis": verdict.basis})
 
 
 class RankMetrics:

@@ -2,8 +2,8 @@
 
 Connects to a running Ray cluster (``--address``, default ``auto``), finds the coordinator actor
 by name (``raytrain_guard:coordinator:<run id>``) in the run's namespace, asks for
-``Coordinator.status()`` and prints nodes, ranks, memory, step time p50/p99, straggler scores
-and active decisions (or the raw dict with ``--json``).
+``Coordinator.status()`` and prints nodes, ranks, memory, step time p50/p99, straggler scores,
+active decisions and the rank named for each hang (or the raw dict with ``--json``).
 
 Ray 2.60 turns token authentication on when a cluster has a token; a client must then run with
 ``RAY_AUTH_MODE=token``. :func:`enable_token_auth_if_token_exists` sets it for the user when a
@@ -332,13 +332,17 @@ _IGNORED_MEANING = {"stale": "from an earlier attempt of the run",
 
 
 def _user_notes(status: Mapping[str, Any]) -> list[str]:
-    """The rest of the status that a user acts on, in words: a restarted worker group, straggler
-    nodes, the policy's notes, reports the coordinator dropped. Counters and the actor's
-    incarnation (for debugging the guard itself) are left to ``--json``."""
+    """The rest of the status that a user acts on, in words: a restarted worker group, the
+    rank named for a hang, straggler nodes, the policy's notes, reports the coordinator
+    dropped. Counters and the actor's incarnation (for debugging the guard itself) are left
+    to ``--json``."""
     lines = []
     attempt = status.get("attempt")
     if isinstance(attempt, int) and attempt > 1:
         lines.append(f"attempt {attempt}: the worker group restarted {attempt - 1} time(s)")
+    for hang in status.get("hangs") or []:
+        if isinstance(hang, Mapping):
+            lines.append(f"hang in attempt {hang.get('attempt', '?')}: {hang.get('reason', '')}")
     if status.get("straggler_nodes"):
         lines.append("straggler nodes: " + ", ".join(str(n) for n in status["straggler_nodes"]))
     for note in status.get("notes") or []:

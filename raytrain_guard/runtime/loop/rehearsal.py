@@ -15,6 +15,9 @@ logger = logging.getLogger("raytrain_guard.runtime.train_loop")
 
 
 _HANG_EXIT_CODE = 75     # EX_TEMPFAIL: the watchdog ended a hung process; Ray restarts the group
+#: the least time between a hang being named and the process ending: the other ranks' watchdogs
+#: (which check every 0.5 s) name theirs too before this rank's exit breaks their collectives
+_HANG_EXIT_PAUSE_S = 1.0
 
 
 def _fault_injector(faults: Mapping[str, Any], rank: int, factory: Callable[..., Any]) -> Any:
@@ -77,19 +80,40 @@ class RehearsalMixin:
             self.watchdog = StepWatchdog(floor_s=guard.hang_floor_s,
                                          step_multiple=guard.hang_step_multiple,
                                          on_hang=self._on_hang, world_rank=self.rank,
-                                         node_id=self.ctx.node_id or "")
+                                         node_id=self.ctx.node_id or "",
+                                         world_size=self.world_size)
         except Exception:
             logger.warning("rank %d: no hang watchdog", self.rank, exc_info=True)
 
     def _on_hang(self, record: Mapping[str, Any]) -> None:
-        """The watchdog's call: write the hang down; when the guard acts, end this process so
-        that Ray restarts the group from the last checkpoint (the hung step never returns)."""
+        """The watchdog's call (on its thread): write the hang down, send it to the coordinator
+        (which names the hung rank from every rank's record), and, when the guard acts, end this
+        process so that Ray restarts the group from the last checkpoint (the hung step never
+        returns). The send waits at most ``HANG_REPORT_TIMEOUT_S`` (1.5 s): a slow or dead
+        coordinator does not hold the exit longer."""
+        fired = time.monotonic()
         logger.error("hang: %s", record["reason"])
         self._trace_event("hang", **record, acted=self.config.act)
+        verdict = self._report_hang(record)
+        if verdict is not None:
+            logger.error("hang: the coordinator says so far: %s", verdict.get("reason"))
+            self._trace_event("hang_verdict", **verdict)
         if self.config.act:
-            time.sleep(1.0)            # the other ranks' watchdogs write their records too
+            time.sleep(max(0.0, _HANG_EXIT_PAUSE_S - (time.monotonic() - fired)))
             logging.shutdown()
             os._exit(_HANG_EXIT_CODE)
+
+    def _report_hang(self, record: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The record to the decision source's coordinator, when it has one (fail open)."""
+        report = getattr(self.config.decision_source, "report_hang", None)
+        if not callable(report):
+            return None
+        try:
+            return report(record)
+        except Exception:
+            logger.warning("rank %d: the hang record did not reach the coordinator", self.rank,
+                           exc_info=True)
+            return None
 
     def _fill_memory(self, step: int) -> None:
         """Rehearsal (``faults["memory"]``): hold ballast so this rank's memory reading reaches
