@@ -4,7 +4,8 @@ One activation spike on rank 1 that overflows its simulated card. Observing only
 attempt fails with ``OutOfMemoryError`` and the run does not finish; acting, the guard prices
 the long batches before their forward, runs them in pieces, and finishes with the same global
 batch, every sample of the epoch once and no step computed twice. The report and its plot are
-written and read back.
+written and read back. A hang on rank 1 ends the attempt within seconds, the coordinator names
+rank 1 from every rank's watchdog record, and the run resumes from its checkpoint.
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ def test_act_ends_a_hung_attempt_within_30_s_and_resumes_from_its_checkpoint(tmp
     assert hangs and hangs[0]["rank"] == 1 and hangs[0]["phase"] == "forward"
     assert hangs[0]["step"] == 40 and hangs[0]["seconds_to_detect"] < 15
     assert hangs[0]["seconds_to_restart"] < 30           # the new attempt began training
+    # the coordinator named it live, from both ranks' watchdog records: rank 1 stopped in its
+    # forward, rank 0 went on to its backward and waits there in DDP's all-reduce
+    named = act["coordinator_hangs"]
+    assert [(h["attempt"], h["world_rank"], h["phase"], h["step"], h["basis"], h["settled"])
+            for h in named] == [(1, 1, "forward", 40, "earliest_phase", True)], named
+    assert named[0]["reported"] == [0, 1]
+    assert {r["world_rank"]: r["phase"] for r in named[0]["records"]} == {0: "backward",
+                                                                          1: "forward"}
     assert act["completed"] and act["attempts"] == 2
     # checkpoints every 25 steps: the restarted group computes steps 25-40 again (40 began
     # before it hung), and every sample of the epoch is consumed once by the finished lineage

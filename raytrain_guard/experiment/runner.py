@@ -121,13 +121,14 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
     os.makedirs(os.path.join(arm_dir, "markers"), exist_ok=True)
     storage = tempfile.mkdtemp(prefix=f"rtg-exp-{arm}-")
     started = time.perf_counter()
-    error = None
+    error, summary = None, None
     try:
-        launch(loop_config(setup, arm, arm_dir), num_workers=setup.num_workers,
-               config=GuardConfig.from_dict(dict(setup.guard)) if setup.guard else None,
-               plan=False, run_id=f"{arm}-{uuid.uuid4().hex[:6]}", namespace=namespace,
-               storage_path=storage, max_failures=setup.max_failures,
-               collective_timeout_s=setup.collective_timeout_s)
+        summary = launch(
+            loop_config(setup, arm, arm_dir), num_workers=setup.num_workers,
+            config=GuardConfig.from_dict(dict(setup.guard)) if setup.guard else None,
+            plan=False, run_id=f"{arm}-{uuid.uuid4().hex[:6]}", namespace=namespace,
+            storage_path=storage, max_failures=setup.max_failures,
+            collective_timeout_s=setup.collective_timeout_s)
     except Exception as exc:  # noqa: BLE001 - an arm that fails is a result, not an error
         error = _one_line(exc)
         logger.info("arm %s failed: %s", arm, error)
@@ -136,6 +137,8 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
     wall = time.perf_counter() - started
     result = analysis.analyze_arm(arm_dir, setup.faults, num_samples=_num_samples(setup),
                                   launch_error=error, wall_s=wall)
+    if summary is not None:            # the rank the coordinator named live, per hung attempt
+        result["coordinator_hangs"] = list(summary.coordinator.get("hangs") or [])
     if any(f.kind == "hang" for f in setup.faults) and arm == "observe":
         result["hang_cost_at_default_timeout_s"] = RAY_DEFAULT_COLLECTIVE_TIMEOUT_S
     return result
