@@ -148,3 +148,29 @@ def test_a_crash_fires_once_per_run(tmp_path):
     again.begin_step(3)
     other = FaultRuntime([spec], world_rank=0, marker_dir=str(tmp_path))
     other.begin_step(3)
+
+
+def _fsdp_card(rank: int, out: str) -> None:
+    from raytrain_guard.runtime.model import wrap_model
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    planned = wrap_model(model, strategy="fsdp-full", use_ray=False)
+    opt = torch.optim.AdamW(planned.module.parameters(), lr=1e-3)
+    planned.module(torch.randn(4, 64)).sum().backward()
+    opt.step()                                           # AdamW's state exists now
+    device = SimulatedDevice(64 * MiB, world_rank=rank)
+    with open(f"{out}/rank{rank}.json", "w") as fh:
+        json.dump({"static": device.measure_static(planned.module, opt)}, fh)
+
+
+def test_the_card_counts_this_ranks_fsdp2_shards(tmp_path):
+    """Under FSDP2 the parameters and optimizer state are DTensors: the card counts the local
+    shard of each (a DTensor's storage cannot be read; its numel is the global one)."""
+    from gloo_world import spawn
+    spawn(_fsdp_card, 2, str(tmp_path))
+    whole = 2 * (64 * 64 + 64) * 4                     # parameters of both layers, fp32
+    # parameters + gradients + AdamW's two moments, half of each per rank (64 rows split
+    # evenly), plus the two step counters (scalar tensors) that AdamW keeps per parameter
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())["static"]
+        assert whole * 4 // 2 <= got <= whole * 4 // 2 + 4 * 8, got

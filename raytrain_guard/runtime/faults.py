@@ -66,14 +66,16 @@ class SimulatedDevice:
         return self.static_bytes + self.held_bytes
 
     def measure_static(self, model: Any, optimizer: Any) -> int:
-        """Parameters, their gradients (trainable ones, counted whole) and optimizer state."""
+        """Parameters, their gradients (trainable ones, counted whole) and optimizer state:
+        this rank's shards under FSDP2 (DTensors count their local part)."""
         params = grads = 0
-        self._parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        for p in model.parameters():
-            size = p.numel() * p.element_size()
+        local = [_local(p) for p in model.parameters()]
+        self._parameter_storages = {t.untyped_storage().data_ptr() for t in local}
+        for p, t in zip(model.parameters(), local):
+            size = t.numel() * t.element_size()
             params += size
             grads += size if p.requires_grad else 0
-        state = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+        state = sum(_local(t).numel() * t.element_size() for s in optimizer.state.values()
                     for t in s.values() if isinstance(t, torch.Tensor))
         self.static_bytes = params + grads + state
         self._note_peak(self.base_bytes)
@@ -137,6 +139,12 @@ class SimulatedDevice:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a DTensor's local shard, else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 class SimulatedDeviceProbe:
