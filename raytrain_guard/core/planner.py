@@ -11,6 +11,8 @@ behind it and every setting it derived:
   exactly;
 - ``bucket_cap_mb`` for DDP (:mod:`raytrain_guard.core.buckets`);
 - DataLoader ``num_workers`` / ``prefetch_factor`` (:mod:`raytrain_guard.core.dataloader_sizing`);
+- the host memory of a node: every GPU's checkpoint staging and prefetch within the host
+  watermark (:mod:`raytrain_guard.core.host_account`), a warning when over;
 - under FSDP, the gradient sync of an accumulation window (``fsdp_grad_sync``): both modes are
   planned (memory, and bytes through the collectives per step) and, asked ``auto``, the one
   that fits the largest micro-batch is chosen, the one that communicates less on a tie.
@@ -33,6 +35,7 @@ from raytrain_guard.core.dataloader_sizing import (
     size_dataloader,
     workers_per_gpu,
 )
+from raytrain_guard.core.host_account import HostAccount, host_account
 from raytrain_guard.core.memory_model import (
     PARAM_BYTES,
     GradSync,
@@ -77,6 +80,12 @@ class Plan:
     headroom_frac: float = 0.15
     comm_bytes_per_step: int = 0          # bytes one rank moves through FSDP's collectives
     grad_sync_options: tuple[dict[str, Any], ...] = ()  # FSDP: both modes, as planned
+    host: HostAccount | None = None       # None: host memory unknown
+
+    @property
+    def checkpoint_staging_bytes(self) -> int | None:
+        """Host bytes one rank stages while writing a checkpoint (None: not counted)."""
+        return self.host.checkpoint_staging_bytes if self.host is not None else None
 
     @property
     def fsdp_grad_sync(self) -> str | None:
@@ -137,6 +146,8 @@ class Plan:
             "bucket_cap_mb": self.bucket_cap_mb,
             "bucket": self.bucket.to_dict() if self.bucket is not None else None,
             "dataloader": loader.to_dict() if loader is not None else None,
+            "checkpoint_staging_bytes": self.checkpoint_staging_bytes,
+            "host": self.host.to_dict() if self.host is not None else None,
             "activations_source": self.activations_source,
             "arithmetic": self.arithmetic,
             "warnings": list(self.warnings),
@@ -297,6 +308,19 @@ def _plan_one(*, model: ModelStats, activations: ActivationProfile, setup: Train
                                  pin_memory=pin_memory, config=config,
                                  list_backed_dataset=list_backed_dataset)
         warnings.extend(loader.warnings)
+    host = None
+    if host_memory_bytes is not None:
+        host = host_account(model=model, setup=current, host_memory_bytes=host_memory_bytes,
+                            gpus_per_node=gpus_per_node, config=config,
+                            loader_host_bytes=loader.host_bytes if loader is not None else None)
+        notes.append(host.arithmetic)
+        if not host.fits:
+            warnings.append(
+                f"host memory: checkpoint staging and prefetch of {gpus_per_node} GPUs "
+                f"({format_bytes(host.node_bytes)}) exceed {format_bytes(host.limit_bytes)} "
+                f"({config.host_memory_watermark_frac:.0%} of host RAM): a checkpoint would "
+                f"push the node towards Ray's memory monitor (95 %); shard over more ranks "
+                f"(a rank writes 1/N of the model state), fewer GPUs per node or more host RAM")
 
     return Plan(
         fits=fits, device_memory_bytes=device_memory_bytes, budget_bytes=budget, estimate=est,
@@ -306,7 +330,7 @@ def _plan_one(*, model: ModelStats, activations: ActivationProfile, setup: Train
         arithmetic=arithmetic(est, budget, device_memory_bytes, config),
         activations_source=activations.source, warnings=tuple(warnings), notes=tuple(notes),
         headroom_frac=config.headroom_frac,
-        comm_bytes_per_step=comm_bytes_per_step(model, current))
+        comm_bytes_per_step=comm_bytes_per_step(model, current), host=host)
 
 
 def arithmetic(est: MemoryEstimate, budget: int, device_memory_bytes: int,

@@ -1,0 +1,140 @@
+"""The host memory of one node's training processes, as the planner counts it (pure).
+
+Per GPU (one training process):
+
+- the DataLoader's prefetch: ``host_prefetch_frac`` of host RAM / GPUs per node (the 5 % rule
+  of :mod:`raytrain_guard.core.dataloader_sizing`), or the planned loader's bytes if larger;
+- a checkpoint's staging. ``torch.distributed.checkpoint.save`` copies each tensor a rank writes
+  to host memory and keeps every copy until the rank's file is closed (torch 2.13,
+  ``filesystem._write_files_from_queue``: one file per rank, its tensors held until written),
+  so a rank stages all it writes. What it writes, over ``N`` ranks:
+
+  * ``ddp``: every rank holds the whole model state (parameters, buffers, optimizer state);
+    DCP de-duplicates what several ranks hold (``dedup_save_plans``: each tensor goes to the
+    rank with the fewest bytes planned so far), so a rank writes at most ``total / N`` plus
+    the largest tensor;
+  * ``zero1``: the replicated parameters and buffers as under ``ddp``, plus the optimizer state
+    of the parameters its partition owns (``zero1_rank_numel``: the most loaded rank);
+  * ``fsdp-grad-op``, ``fsdp-full``: its shards of parameters and optimizer state (``1 / N``),
+    buffers (replicated) de-duplicated.
+
+  A load reads one tensor at a time into the tensors it restores, so it stages less than the
+  save. (``dcp.async_save`` would hold a host copy of the whole state dict a rank passes, before
+  de-duplication: the full model state on every DDP rank. The train loop saves synchronously.)
+
+The node's processes together, ``(staging + prefetch) x gpus_per_node``, must stay within
+``host_memory_watermark_frac`` of host RAM (0.90: where the guard starts lowering prefetch,
+five points below Ray's memory monitor).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.dataloader_sizing import host_budget_bytes
+from raytrain_guard.core.memory_model import (
+    FSDP_SHARD_BYTES,
+    MASTER_BYTES,
+    PARAM_BYTES,
+    STATE_BYTES,
+    STATE_COPIES,
+    Strategy,
+    TrainingSetup,
+    zero1_rank_numel,
+)
+from raytrain_guard.core.model_stats import ModelStats
+from raytrain_guard.units import format_bytes
+
+
+@dataclass(frozen=True)
+class CheckpointShard:
+    """What the most loaded rank writes, and stages in host memory, per checkpoint."""
+
+    bytes: int
+    reason: str
+
+
+def checkpoint_shard(model: ModelStats, setup: TrainingSetup) -> CheckpointShard:
+    """The bytes one rank writes per checkpoint (see the module docstring), with the sum."""
+    n, prec = setup.world_size, setup.precision
+    trainable = model.num_trainable_params
+    copies = STATE_COPIES[setup.optimizer]
+    if setup.strategy in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP):
+        param_b, opt_b = FSDP_SHARD_BYTES[prec], copies * STATE_BYTES[prec]
+        params = _per_rank(model.num_params, n) * param_b
+        optim = _per_rank(trainable, n) * opt_b
+        buffers = _per_rank(model.buffer_bytes, n)
+        return CheckpointShard(params + optim + buffers, (
+            f"{setup.strategy.value}: its shards, parameters {format_bytes(params)} + "
+            f"optimizer {format_bytes(optim)} + buffers {format_bytes(buffers)} (1/{n} each)"))
+    param_b = PARAM_BYTES[prec]
+    opt_b = MASTER_BYTES[prec] + copies * STATE_BYTES[prec]
+    largest_numel = max(model.param_numels, default=0) if n > 1 else 0
+    if setup.strategy is Strategy.ZERO1:
+        replicated = model.num_params * param_b + model.buffer_bytes
+        optim = zero1_rank_numel(model, n) * opt_b
+        what = f"zero1: replicated parameters and buffers {format_bytes(replicated)}"
+        tail = f" + its partition's optimizer state {format_bytes(optim)}"
+        elem = param_b
+    else:
+        replicated = model.num_params * param_b + model.buffer_bytes + trainable * opt_b
+        optim, tail = 0, ""
+        what = f"ddp: model state {format_bytes(replicated)}"
+        # the largest tensor: a parameter, one of its optimizer states or its master copy
+        elem = max(param_b, STATE_BYTES[prec] if copies else 0, MASTER_BYTES[prec])
+    largest = largest_numel * elem
+    if n == 1:
+        spread = ""
+    elif largest:
+        spread = f" / {n} + largest tensor {format_bytes(largest)} (DCP de-duplicates)"
+    else:
+        spread = f" / {n} (DCP de-duplicates; tensor sizes unknown: an even split)"
+    return CheckpointShard(_per_rank(replicated, n) + largest + optim, what + spread + tail)
+
+
+def _per_rank(total: int, n: int) -> int:
+    return math.ceil(total / n)
+
+
+@dataclass(frozen=True)
+class HostAccount:
+    """Host bytes per GPU and per node, against the host watermark."""
+
+    checkpoint_staging_bytes: int   # per GPU: what one rank stages while saving
+    prefetch_bytes: int             # per GPU: the prefetch budget (or the planned loader's bytes)
+    gpus_per_node: int
+    node_bytes: int                 # (staging + prefetch) x gpus_per_node
+    limit_bytes: int                # host_memory_watermark_frac x host RAM
+    host_memory_bytes: int
+    fits: bool
+    arithmetic: str
+    staging_reason: str
+
+    def to_dict(self) -> dict:
+        return {"checkpoint_staging_bytes": self.checkpoint_staging_bytes,
+                "prefetch_bytes": self.prefetch_bytes, "gpus_per_node": self.gpus_per_node,
+                "node_bytes": self.node_bytes, "limit_bytes": self.limit_bytes,
+                "host_memory_bytes": self.host_memory_bytes, "fits": self.fits,
+                "arithmetic": self.arithmetic, "staging_reason": self.staging_reason}
+
+
+def host_account(*, model: ModelStats, setup: TrainingSetup, host_memory_bytes: int,
+                 gpus_per_node: int, config: GuardConfig,
+                 loader_host_bytes: int | None = None) -> HostAccount:
+    """Checkpoint staging and DataLoader prefetch of every GPU of a node, against
+    ``host_memory_watermark_frac`` of its RAM (see the module docstring)."""
+    shard = checkpoint_shard(model, setup)
+    prefetch = max(host_budget_bytes(host_memory_bytes, gpus_per_node, config),
+                   loader_host_bytes or 0)
+    node = (shard.bytes + prefetch) * gpus_per_node
+    limit = int(config.host_memory_watermark_frac * host_memory_bytes)
+    arithmetic = (f"host: checkpoint staging {format_bytes(shard.bytes)} + prefetch "
+                  f"{format_bytes(prefetch)} per GPU x {gpus_per_node} = "
+                  f"{format_bytes(node)} {'within' if node <= limit else 'over'} "
+                  f"{format_bytes(limit)} ({config.host_memory_watermark_frac:.0%} of "
+                  f"{format_bytes(host_memory_bytes)}, the host watermark); staging: "
+                  f"{shard.reason}")
+    return HostAccount(shard.bytes, prefetch, gpus_per_node, node, limit, host_memory_bytes,
+                       node <= limit, arithmetic, shard.reason)
