@@ -37,48 +37,78 @@ class SpikesMixin:
         is larger than the batches so far (a spike in the data: longer sequences) and its
         activations, priced per element before the forward, would take the card past the
         watermark. Memory that grows under normal batches is the memory rules' to handle (a
-        checkpoint before the out-of-memory). Only under DDP or ZeRO-1 (a rank may run extra
-        forwards alone there; under FSDP every rank would have to agree first) and only when
-        the guard acts."""
+        checkpoint before the out-of-memory). Only when the guard acts. Under FSDP every rank
+        must run the same forwards (each one gathers and scatters with the others): the ranks
+        agree on the most pieces any of them needs (:meth:`_agreed_pieces`) and all split."""
         from raytrain_guard.runtime.batches import leading_batch_size, map_tensors
 
-        sim, per_elem = self.sim_device, self._act_per_elem
-        if per_elem is None:
-            return ((batch, 1.0),)
-        elements = _batch_elements(batch)
-        if elements <= _SPIKE_FACTOR * statistics.median(self._batch_elements):
-            return ((batch, 1.0),)
-        predicted = per_elem * elements
-        room = sim.capacity_bytes * self.config.guard.memory_watermark_frac - sim.base_bytes
-        if predicted <= room:
-            return ((batch, 1.0),)
         size = leading_batch_size(batch) or 1
-        pieces = min(size, max(2, -(-int(predicted) // max(1, int(room)))))
-        fits = self.config.strategy in (Strategy.DDP, Strategy.ZERO1) and room > 0
-        predicted_frac = (sim.base_bytes + predicted) / sim.capacity_bytes
-        piece_frac = (sim.base_bytes + predicted / pieces) / sim.capacity_bytes
-        reason = (f"rank {self.rank} step {self.step}: this micro-batch's activations are "
-                  f"priced at {predicted / 2**20:.1f} MiB before its forward ({per_elem:.1f} "
-                  f"bytes per element), which takes the card to {predicted_frac:.0%} "
-                  f"(watermark {self.config.guard.memory_watermark_frac:.0%})")
-        act = self.config.act and fits
-        entry = {
-            "action": "split_micro_batch", "step": self.step, "applied_at": self.step,
-            "scope": "rank", "cause": "device_memory", "world_rank": self.rank,
-            "decision_id": 0, "applied": act,
-            "reason": reason + (f"; run in {pieces} pieces of the same optimizer step" if act
-                                else "; not split (the guard observes only)" if fits else
-                                "; not split (FSDP ranks would have to agree)"),
-            "params": {"pieces": pieces if act else 1, "micro_batch": size},
-            "predicted": {"peak_frac": round(piece_frac if act else predicted_frac, 4)}}
-        if not act:                    # seen coming, written down now: the step may not end
+        wanted, entry = self._priced_pieces(batch, size)
+        pieces = wanted
+        if self._split_agreement:
+            pieces, smallest = self.control.all_reduce_max(wanted, -size)
+            pieces = min(pieces, -smallest)   # no empty piece on any rank
+            if pieces > 1 and entry is None:
+                entry = self._split_entry(
+                    size, f"rank {self.rank} step {self.step}: another rank's micro-batch is "
+                          f"too large for its card; FSDP ranks run the same forwards")
+        if entry is None:
+            return ((batch, 1.0),)
+        if pieces <= 1:                # seen coming, not split: written down now (the step
+            entry["applied"] = False   # may not end)
+            entry["reason"] += ("; not split (the guard observes only)" if not self.config.act
+                                else "; not split (no room on the card for any piece)")
             self.decisions.append(entry)
             self._trace_event("decision", **entry)
             return ((batch, 1.0),)
+        entry["reason"] += f"; run in {pieces} pieces of the same optimizer step"
+        entry["params"]["pieces"] = pieces
+        sim = self.sim_device
+        piece_bytes = (self._act_per_elem or 0.0) * _batch_elements(batch) / pieces
+        entry["predicted"] = {"peak_frac": round((sim.base_bytes + piece_bytes)
+                                                 / sim.capacity_bytes, 4)}
         self._split_pending.append(entry)
         bounds = [size * i // pieces for i in range(pieces + 1)]
         return tuple((map_tensors(batch, lambda t, lo=lo, hi=hi: t[lo:hi]), (hi - lo) / size)
-                     for lo, hi in itertools.pairwise(bounds) if hi > lo)
+                     for lo, hi in itertools.pairwise(bounds))
+
+    @property
+    def _split_agreement(self) -> bool:
+        """Whether the ranks agree on each micro-batch's pieces: under FSDP, acting, with more
+        than one rank. The same answer on every rank (config and world size only)."""
+        return (self.config.act and self.world_size > 1
+                and self.config.strategy not in (Strategy.DDP, Strategy.ZERO1))
+
+    def _priced_pieces(self, batch: Any, size: int) -> tuple[int, dict | None]:
+        """The pieces this rank's batch needs (1: none) and, for a spike past the watermark,
+        the decision entry that says so."""
+        sim, per_elem = self.sim_device, self._act_per_elem
+        if per_elem is None:
+            return 1, None
+        elements = _batch_elements(batch)
+        if elements <= _SPIKE_FACTOR * statistics.median(self._batch_elements):
+            return 1, None
+        predicted = per_elem * elements
+        room = sim.capacity_bytes * self.config.guard.memory_watermark_frac - sim.base_bytes
+        if predicted <= room:
+            return 1, None
+        entry = self._split_entry(
+            size, f"rank {self.rank} step {self.step}: this micro-batch's activations are "
+                  f"priced at {predicted / 2**20:.1f} MiB before its forward ({per_elem:.1f} "
+                  f"bytes per element), which takes the card to "
+                  f"{(sim.base_bytes + predicted) / sim.capacity_bytes:.0%} (watermark "
+                  f"{self.config.guard.memory_watermark_frac:.0%})")
+        entry["predicted"] = {"peak_frac": round((sim.base_bytes + predicted)
+                                                 / sim.capacity_bytes, 4)}
+        if not self.config.act or room <= 0:
+            return 1, entry
+        return min(size, max(2, -(-int(predicted) // int(room)))), entry
+
+    def _split_entry(self, size: int, reason: str) -> dict:
+        return {"action": "split_micro_batch", "step": self.step, "applied_at": self.step,
+                "scope": "rank", "cause": "device_memory", "world_rank": self.rank,
+                "decision_id": 0, "applied": True, "reason": reason,
+                "params": {"pieces": 1, "micro_batch": size}}
 
     def _measure_splits(self) -> None:
         """The step's measured peak beside each split's prediction, then into the results."""

@@ -1,0 +1,69 @@
+"""An activation spike on one FSDP rank: every rank splits it alike (real gloo ranks, no Ray).
+
+Under FSDP2 each forward gathers and each backward scatters with the other ranks, so a rank
+that ran its oversized micro-batch in pieces alone would leave the others in a mismatched
+collective (a hang). Rank 1's data spikes at steps 6-7 on a 4 MiB simulated card; the ranks
+agree on the pieces before the forward and both split. The run finishes, both ranks record
+the split at the same steps with the same pieces, and the weights equal those of a run on a
+card big enough for the whole batch (only the summation order differs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gloo_world import spawn  # noqa: E402
+
+from raytrain_guard.units import MiB  # noqa: E402
+
+BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
+            "dataset_factory": "raytrain_guard.experiment.model:make_dataset",
+            "optimizer_factory": "raytrain_guard.experiment.model:make_optimizer",
+            "loss_fn": "raytrain_guard.experiment.model:loss_fn"}
+
+
+def _worker(rank: int, out: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from raytrain_guard.core.faults import parse_fault
+    from raytrain_guard.runtime.context import WorkerContext
+    from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+
+    spike = parse_fault("activation_spike:rank=1,start=6,factor=8,steps=2")
+    got = {}
+    for name, card in (("small", 4 * MiB), ("big", 64 * MiB)):
+        os.makedirs(os.path.join(out, name), exist_ok=True)
+        config = LoopConfig.from_dict({
+            **BUILT_IN, "strategy": "fsdp-full", "micro_batch": 8, "max_steps": 10,
+            "num_workers": 0, "seed": 3, "measure_bandwidth": False,
+            "checkpoint_every_steps": 100, "device_memory_bytes": card,
+            "faults": {"inject": [spike.to_dict()], "marker_dir": os.path.join(out, name)}})
+        loop = GuardedTrainLoop(config, reporter=DirectoryReporter(os.path.join(out, name)),
+                                context=WorkerContext(world_rank=rank, world_size=2))
+        results = loop.run()
+        state = get_model_state_dict(loop.planned.module,
+                                     options=StateDictOptions(full_state_dict=True))
+        got[name] = {"step": results["step"],
+                     "splits": [[d["applied_at"], d["params"]["pieces"], d["applied"]]
+                                for d in loop.decisions if d["action"] == "split_micro_batch"],
+                     "params": [state[k].flatten().tolist() for k in sorted(state)]}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(got, fh)
+
+
+def test_an_fsdp_spike_is_split_alike_on_every_rank(tmp_path):
+    spawn(_worker, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for got in ranks:
+        assert got["small"]["step"] == got["big"]["step"] == 10
+        assert [s[0] for s in got["small"]["splits"]] == [6, 7], got["small"]["splits"]
+        assert all(s[1] >= 2 and s[2] for s in got["small"]["splits"])
+        assert got["big"]["splits"] == []
+        for a, b in zip(got["small"]["params"], got["big"]["params"]):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+    assert ranks[0]["small"]["splits"] == ranks[1]["small"]["splits"]   # the same pieces
