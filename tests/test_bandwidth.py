@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_world import spawn
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.buckets import recommend_bucket_cap
@@ -92,23 +90,14 @@ def test_measure_needs_a_process_group():
         measure_allreduce_curve()
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, out_dir: str) -> None:
     curve = measure_allreduce_curve()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(curve.to_dict(0.8), fh)
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_real_gloo_curve(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for r in ranks:
         assert r["sizes_bytes"] == list(CPU_SIZES_BYTES)

@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from gloo_world import spawn
+
 WORLD = 2
 STRATEGIES = ("ddp", "zero1", "fsdp-full")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(planned, optimizer, rank: int, steps: int) -> None:
@@ -51,15 +46,13 @@ def _fresh(strategy: str):
                                                               lr=1e-2))
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from raytrain_guard.errors import InputError
     from raytrain_guard.runtime.checkpoint import (gather_train_state, load_train_state,
                                                    write_train_state)
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
     out: dict = {}
     nowhere = os.path.join(out_dir, f"nothing-here-{rank}")
     for strategy in STRATEGIES:
@@ -93,14 +86,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         out["bad_file"] = str(exc)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
-    dist.destroy_process_group()
 
 
 @pytest.mark.timeout(300)
 def test_only_rank_0_reads_and_every_rank_resumes_exactly(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, str(tmp_path))
     for rank in range(WORLD):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for strategy in STRATEGIES:

@@ -13,17 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gloo_world import spawn
 
 
 def _fresh(strategy: str):
@@ -50,13 +45,11 @@ def _full(planned) -> dict[str, list[float]]:
     return {k: v.flatten().tolist() for k, v in state.items()}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, out: str) -> None:
     import torch.distributed as dist
 
     from raytrain_guard.runtime.checkpoint import load_sharded, save_sharded
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
     result = {}
     for strategy in ("fsdp-full", "ddp"):
         planned, optimizer = _fresh(strategy)
@@ -85,16 +78,13 @@ def _worker(rank: int, port: int, out: str) -> None:
             "saved": saved, "meta_losses": meta["losses"]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
-    dist.destroy_process_group()
 
 
 @pytest.mark.timeout(300)
 def test_sharded_checkpoints_resume_exactly_on_the_same_and_a_smaller_world(tmp_path):
-    import torch.multiprocessing as mp
-
     from raytrain_guard.runtime.checkpoint import load_sharded
 
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, 2, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, result in enumerate(results):
         for strategy, got in result.items():

@@ -86,33 +86,24 @@ def test_decisions_are_collected_only_at_agreement_steps():
     assert client.polled_at == [5, 10, 15, 20] and client.recorded == 20
 
 
-def _agree_main(rank: int, port: int, started: list, out_dir: str) -> None:
+def _agree_main(rank: int, started: list, out_dir: str) -> None:
     import json
     import os
 
-    import torch.distributed as dist
-
     from raytrain_guard.cluster.client import agree_on_start
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
     got = [agree_on_start(7 if rank == 0 else 0, ok) for ok in started[rank]]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(got, fh)
-    dist.destroy_process_group()
 
 
 def test_ranks_agree_on_the_attempt_and_on_starting_together(tmp_path):
     """Two real gloo ranks. Rank 0 brings the coordinator's attempt 7, rank 1 brings 0. In the
     second round rank 1 could not start: both ranks fall back (never one alone)."""
     import json
-    import socket
 
-    import torch.multiprocessing as mp
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from gloo_world import spawn
     started = [[True, True], [True, False]]        # per rank, per round
-    mp.spawn(_agree_main, args=(port, started, str(tmp_path)), nprocs=2, join=True)
+    spawn(_agree_main, 2, started, str(tmp_path))
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == [[7, True], [7, False]]

@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import time
 
 import pytest
+from gloo_world import spawn
 
 WORLD = 3
 STEPS = 90
@@ -39,12 +39,6 @@ SCRIPT = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fetch_steps(seed: int) -> dict[int, list[int | None]]:
     """Per decision, per rank: the step it reaches that rank (None: never); one rank at least."""
     rng = random.Random(seed)
@@ -57,15 +51,13 @@ def _fetch_steps(seed: int) -> dict[int, list[int | None]]:
     return out
 
 
-def _rank_main(rank: int, port: int, seed: int, out_dir: str) -> None:
+def _rank_main(rank: int, seed: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
     from raytrain_guard.cluster.lockstep import Lockstep, ProcessGroupExchange
     from raytrain_guard.core.decisions import Action, Decision
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
     fetch = _fetch_steps(seed)
     rng = random.Random(seed * 1000 + rank)
     decisions = {did: Decision(Action(action), f"scripted {did}", cstep, scope="cluster",
@@ -93,15 +85,12 @@ def _rank_main(rank: int, port: int, seed: int, out_dir: str) -> None:
         steps_log.append([step, micro, accum, int(samples.item()), consumed])
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump({"applied": lockstep.applied, "steps": steps_log}, fh)
-    dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("seed", [1, 7])
 def test_every_decision_applies_at_one_step_on_all_ranks(tmp_path, seed):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank_main, args=(_free_port(), seed, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_rank_main, WORLD, seed, str(tmp_path))
     logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     fetch = _fetch_steps(seed)
 
@@ -131,7 +120,7 @@ def test_every_decision_applies_at_one_step_on_all_ranks(tmp_path, seed):
     assert logs[0]["steps"][-1][1:3] == [2, 4]
 
 
-def _nccl_main(rank: int, port: int, out_dir: str) -> None:
+def _nccl_main(rank: int, out_dir: str) -> None:
     """Two ranks on nccl (one GPU each): the lockstep exchange and the attempt agreement run on
     the control plane's gloo side group, between real nccl collectives on the default group."""
     import torch
@@ -141,9 +130,6 @@ def _nccl_main(rank: int, port: int, out_dir: str) -> None:
     from raytrain_guard.cluster.lockstep import ProcessGroupExchange
     from raytrain_guard.runtime.control_plane import shared_control_plane
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
     before = torch.full((1,), float(rank + 1), device="cuda")
     dist.all_reduce(before)                          # nccl: 1 + 2
     ex = ProcessGroupExchange()
@@ -159,7 +145,6 @@ def _nccl_main(rank: int, port: int, out_dir: str) -> None:
            "nccl": [before.item(), after.item()]}
     with open(os.path.join(out_dir, f"nccl{rank}.json"), "w") as fh:
         json.dump(got, fh)
-    dist.destroy_process_group()
 
 
 @pytest.mark.gpu
@@ -167,10 +152,9 @@ def _nccl_main(rank: int, port: int, out_dir: str) -> None:
 def test_exchange_on_nccl_runs_beside_it(tmp_path):
     import torch
     import torch.distributed as dist
-    import torch.multiprocessing as mp
     if torch.cuda.device_count() < 2 or not dist.is_nccl_available():
         pytest.skip("needs 2 CUDA devices and nccl")
-    mp.spawn(_nccl_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_nccl_main, 2, str(tmp_path), backend="nccl")
     for rank in (0, 1):
         got = json.loads((tmp_path / f"nccl{rank}.json").read_text())
         # both ranks see rank 1's pending decision, in rank order; the attempt is rank 0's
@@ -186,7 +170,7 @@ def test_exchange_on_nccl_runs_beside_it(tmp_path):
 LOOP_STEPS, LOOP_K = 12, 4
 
 
-def _loop_main(rank: int, port: int, out_dir: str) -> None:
+def _loop_main(rank: int, out_dir: str) -> None:
     """A real GuardedTrainLoop (toy model, 2 gloo ranks, no Ray) with a lockstep decision
     source: rank 1 alone hears of a cache release at boundary 1 and a PACE for another node
     at boundary 2 (both agreed at boundary 4 on both ranks); rank 0 hears of a PACE for this
@@ -194,8 +178,6 @@ def _loop_main(rank: int, port: int, out_dir: str) -> None:
     import functools
     import sys
     from pathlib import Path
-
-    import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import examples.toy as toy
@@ -205,9 +187,6 @@ def _loop_main(rank: int, port: int, out_dir: str) -> None:
     from raytrain_guard.runtime.context import WorkerContext
     from raytrain_guard.runtime.train_loop import (DirectoryReporter, GuardedTrainLoop,
                                                    LoopConfig)
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
 
     class OneRankHears(LockstepDecisionSource):
         def poll(self, step, stats=None):
@@ -246,14 +225,11 @@ def _loop_main(rank: int, port: int, out_dir: str) -> None:
                    "final_results": "results" in loop.reporter.reports[-1],
                    "decisions": [(d["decision_id"], d["applied_at"], d["applied"])
                                  for d in mine]}, fh)
-    dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
 def test_loop_runs_one_control_round_per_k_steps(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_loop_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_loop_main, 2, str(tmp_path))
     for rank in (0, 1):
         got = json.loads((tmp_path / f"loop{rank}.json").read_text())
         # 12 steps, boundaries 4, 8, 12: three rounds, each carrying both the lockstep's newest
@@ -277,15 +253,9 @@ def test_loop_runs_one_control_round_per_k_steps(tmp_path):
     assert [g["pace_delay_s"] for g in saved["guard"]] == [0.001, 0.001]
 
 
-def _side_group_main(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def _side_group_main(rank: int, out_dir: str) -> None:
     from raytrain_guard.runtime.control_plane import shared_control_plane
 
-    # "cpu:gloo" is not the plain "gloo" backend: the plane makes its own gloo group, as it
-    # does beside nccl
-    dist.init_process_group("cpu:gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
     plane = shared_control_plane()
     buffer = plane._buffer
     plane.local_stop = rank == 1
@@ -297,14 +267,13 @@ def _side_group_main(rank: int, port: int, out_dir: str) -> None:
         json.dump({"side_group": plane.group is not None, "same": shared_control_plane() is plane,
                    "buffer_kept": plane._buffer is buffer, "device": str(buffer.device),
                    "got": [first, stop_first, second, plane.agreed_stop, plane.num_rounds]}, fh)
-    dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
 def test_control_plane_reduces_on_a_gloo_side_group_in_a_cpu_tensor(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_side_group_main, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    # "cpu:gloo" is not the plain "gloo" backend: the plane makes its own gloo group, as it
+    # does beside nccl
+    spawn(_side_group_main, 2, str(tmp_path), backend="cpu:gloo")
     for rank in (0, 1):
         got = json.loads((tmp_path / f"side{rank}.json").read_text())
         assert got == {"side_group": True, "same": True, "buffer_kept": True, "device": "cpu",

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_world import spawn
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.buckets import recommend_bucket_cap
@@ -101,9 +100,7 @@ def _full_params(planned) -> list[list[float]]:
     return [state[k].flatten().tolist() for k in sorted(state)]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, out_dir: str) -> None:
     from raytrain_guard.runtime.checkpoint import (gather_train_state, read_train_state,
                                                    restore_train_state, write_train_state)
     from raytrain_guard.runtime.model import wrap_optimizer
@@ -199,7 +196,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                                               **planned.describe()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
-    dist.destroy_process_group()
 
 
 def _grad_layout(module) -> dict:
@@ -229,16 +225,10 @@ def _close(a: list[list[float]], b: list[list[float]]) -> bool:
     return all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-6) for x, y in zip(a, b))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("wrap")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, str(out_dir))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

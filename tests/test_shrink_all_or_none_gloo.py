@@ -11,20 +11,16 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from gloo_world import spawn
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Source:
@@ -38,15 +34,11 @@ class _Source:
         return []
 
 
-def _worker(rank: int, port: int, out: str, fail_rank: int) -> None:
-    import torch.distributed as dist
+def _worker(rank: int, out: str, fail_rank: int) -> None:
     sys.path.insert(0, str(ROOT))
     from examples import toy
     from raytrain_guard.runtime.context import WorkerContext
     from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
 
     class Loop(GuardedTrainLoop):
         def _prepare_loader(self, micro_batch):
@@ -67,13 +59,11 @@ def _worker(rank: int, port: int, out: str, fail_rank: int) -> None:
     with open(os.path.join(out, f"result{rank}.json"), "w") as fh:
         json.dump({"micro_batch": loop.micro_batch, "grad_accum": loop.grad_accum,
                    "changes": loop.batch_changes, "step": results["step"]}, fh)
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("fail_rank, layout", [(1, (8, 1)), (-1, (4, 2))])
 def test_a_shrink_is_applied_everywhere_or_nowhere(tmp_path, fail_rank, layout):
-    import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), fail_rank), nprocs=2, join=True)
+    spawn(_worker, 2, str(tmp_path), fail_rank)
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
     for r, result in enumerate(results):
         assert (result["micro_batch"], result["grad_accum"]) == layout

@@ -11,8 +11,7 @@ import statistics
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_world import spawn
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.gate import RankRole, attribute_across_ranks
@@ -23,7 +22,7 @@ DELAY_S = 0.06
 WARMUP = 2          # DDP's first step builds, then rebuilds, its buckets
 
 
-def _worker(rank: int, world_size: int, tmp: str, with_timer: bool) -> None:
+def _worker(rank: int, tmp: str, with_timer: bool) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from raytrain_guard.runtime.probes import FaultInjector
@@ -31,8 +30,6 @@ def _worker(rank: int, world_size: int, tmp: str, with_timer: bool) -> None:
     from raytrain_guard.runtime.timing import attach_comm_timer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
-                            world_size=world_size)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
     # Small buckets: several allreduces per step, as in a real model.
@@ -61,12 +58,11 @@ def _worker(rank: int, world_size: int, tmp: str, with_timer: bool) -> None:
     weights = [w for p in model.parameters() for w in p.detach().flatten().tolist()[:8]]
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as fh:
         json.dump({"stats": stats, "events": events, "weights": weights}, fh)
-    dist.destroy_process_group()
 
 
 def _run(tmp_path, with_timer: bool):
     tmp = str(tmp_path)
-    mp.spawn(_worker, args=(2, tmp, with_timer), nprocs=2, join=True)
+    spawn(_worker, 2, tmp, with_timer)
     out = []
     for rank in range(2):
         with open(os.path.join(tmp, f"rank{rank}.json")) as fh:

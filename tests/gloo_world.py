@@ -1,0 +1,44 @@
+"""A world of real ranks for a test: spawned processes joined in one process group.
+
+Each rank runs the test's worker ``fn(rank, *args)`` as a plain call, so the worker's locals
+(DDP, FSDP2, ZeRO wraps, optimizers) die when it returns; what a reference cycle still holds
+is collected, and only then is the group destroyed. A rank exiting while such objects outlived
+``destroy_process_group`` aborted at interpreter exit (SIGABRT, "terminate called without an
+active exception") after its work was done.
+"""
+
+from __future__ import annotations
+
+import gc
+import socket
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for the group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, fn: Callable[..., None], world: int, port: int, backend: str,
+               args: tuple) -> None:
+    if "nccl" in backend:
+        torch.cuda.set_device(rank)   # one GPU per rank, bound before nccl's communicator
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        fn(rank, *args)
+    finally:
+        gc.collect()                  # wraps kept alive by cycles go before their group
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., None], world: int, *args, backend: str = "gloo") -> None:
+    """Run ``fn(rank, *args)`` on ``world`` processes joined in a ``backend`` group; raises
+    if any rank fails. ``fn`` must be a module-level function (it is pickled to the ranks)."""
+    mp.spawn(_rank_main, args=(fn, world, free_port(), backend, args), nprocs=world, join=True)
