@@ -131,6 +131,9 @@ class SimulatedDevice:
     def _note_peak(self, used: int) -> None:
         self.step_peak_bytes = max(self.step_peak_bytes, used)
 
+    def new_step(self) -> None:
+        """Nothing: the probe takes each step's peak (:meth:`take_step_peak`)."""
+
     def take_step_peak(self) -> int:
         """The peak since the last call; the next step's peak starts from what is held now."""
         peak, self.step_peak_bytes = self.step_peak_bytes, self.base_bytes

@@ -96,6 +96,8 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
         # the hang watchdog, the per-rank trace; attempt: this process's try at the run
         self.fault_runtime: Any = None
         self.sim_device: Any = None
+        # what prices a micro-batch before its forward: the simulated card, or CUDA's allocator
+        self.card: Any = None
         self.watchdog: Any = None
         self._trace: Any = None
         self.attempt = f"{os.getpid()}-{time.time_ns() % 10**12}"

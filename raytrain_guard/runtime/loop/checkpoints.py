@@ -97,9 +97,9 @@ class CheckpointsMixin:
                "batch_changes": [dict(c, world_rank=self.rank) for c in self.batch_changes]}
         per_rank = gather_objects(own)
         windows = [[StepStats.from_dict(s) for s in r["window"]] for r in per_rank]
-        attribution = [dict(world_rank=a.world_rank, role=a.role.value, reason=a.reason,
-                            median_step_s=a.total_s, data_wait_s=a.data_wait_s,
-                            compute_s=a.compute_s, comm_wait_s=a.comm_wait_s)
+        attribution = [{"world_rank": a.world_rank, "role": a.role.value, "reason": a.reason,
+                        "median_step_s": a.total_s, "data_wait_s": a.data_wait_s,
+                        "compute_s": a.compute_s, "comm_wait_s": a.comm_wait_s}
                        for a in attribute_across_ranks(
                            windows, straggler_frac=self.config.guard.straggler_frac)]
         stops = [d for r in per_rank for d in r["decisions"]

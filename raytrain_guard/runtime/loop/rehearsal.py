@@ -42,7 +42,8 @@ class RehearsalMixin:
 
     def _build_faults(self, device: Any) -> None:
         """Injected faults (``faults["inject"]``: FaultSpec dicts) and the card they count on:
-        ``device_memory_bytes`` simulates one on CPU and caps the real one on CUDA."""
+        ``device_memory_bytes`` simulates one on CPU and caps the real one on CUDA. The card
+        that prices micro-batches (``self.card``): the simulated one, or CUDA's allocator."""
         import torch
 
         from raytrain_guard.core.faults import FaultSpec
@@ -56,6 +57,11 @@ class RehearsalMixin:
                     min(1.0, cfg.device_memory_bytes / total), device)
             else:
                 self.sim_device = SimulatedDevice(cfg.device_memory_bytes, world_rank=self.rank)
+        if self.sim_device is not None:
+            self.card = self.sim_device
+        elif device.type == "cuda":
+            from raytrain_guard.runtime.cuda_card import CudaCard
+            self.card = CudaCard(device, cfg.device_memory_bytes)
         specs = [FaultSpec.from_dict(d) for d in cfg.faults.get("inject", ())]
         if specs:
             self.fault_runtime = FaultRuntime(

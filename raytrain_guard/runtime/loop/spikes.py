@@ -19,16 +19,17 @@ _SPIKE_FACTOR = 1.25
 
 
 class SpikesMixin:
-    """On a simulated card: activation bytes per batch element are learned from the batches so far;
-    a batch larger than those (a spike in the data) that would take the card past the watermark
-    runs in pieces within the same optimizer step, each weighted by its samples."""
+    """On a card that prices (``self.card``: simulated, or CUDA's allocator): activation bytes
+    per batch element are learned from the batches so far; a batch larger than those (a spike
+    in the data) that would take the card past the watermark runs in pieces within the same
+    optimizer step, each weighted by its samples."""
 
     def _learn_activations(self, batch: Any) -> None:
         """Activation bytes per batch element, the largest seen: what prices the next batch."""
         elements = _batch_elements(batch)
         if elements:
             self._batch_elements.append(elements)
-            per_elem = self.sim_device.last_activation_bytes / elements
+            per_elem = self.card.last_activation_bytes / elements
             if self._act_per_elem is None or per_elem > self._act_per_elem:
                 self._act_per_elem = per_elem
 
@@ -63,10 +64,10 @@ class SpikesMixin:
             return ((batch, 1.0),)
         entry["reason"] += f"; run in {pieces} pieces of the same optimizer step"
         entry["params"]["pieces"] = pieces
-        sim = self.sim_device
+        card = self.card
         piece_bytes = (self._act_per_elem or 0.0) * _batch_elements(batch) / pieces
-        entry["predicted"] = {"peak_frac": round((sim.base_bytes + piece_bytes)
-                                                 / sim.capacity_bytes, 4)}
+        entry["predicted"] = {"peak_frac": round((card.base_bytes + piece_bytes)
+                                                 / card.capacity_bytes, 4)}
         self._split_pending.append(entry)
         bounds = [size * i // pieces for i in range(pieces + 1)]
         return tuple((map_tensors(batch, lambda t, lo=lo, hi=hi: t[lo:hi]), (hi - lo) / size)
@@ -82,24 +83,24 @@ class SpikesMixin:
     def _priced_pieces(self, batch: Any, size: int) -> tuple[int, dict | None]:
         """The pieces this rank's batch needs (1: none) and, for a spike past the watermark,
         the decision entry that says so."""
-        sim, per_elem = self.sim_device, self._act_per_elem
+        card, per_elem = self.card, self._act_per_elem
         if per_elem is None:
             return 1, None
         elements = _batch_elements(batch)
         if elements <= _SPIKE_FACTOR * statistics.median(self._batch_elements):
             return 1, None
         predicted = per_elem * elements
-        room = sim.capacity_bytes * self.config.guard.memory_watermark_frac - sim.base_bytes
+        room = card.capacity_bytes * self.config.guard.memory_watermark_frac - card.base_bytes
         if predicted <= room:
             return 1, None
         entry = self._split_entry(
             size, f"rank {self.rank} step {self.step}: this micro-batch's activations are "
                   f"priced at {predicted / 2**20:.1f} MiB before its forward ({per_elem:.1f} "
                   f"bytes per element), which takes the card to "
-                  f"{(sim.base_bytes + predicted) / sim.capacity_bytes:.0%} (watermark "
+                  f"{(card.base_bytes + predicted) / card.capacity_bytes:.0%} (watermark "
                   f"{self.config.guard.memory_watermark_frac:.0%})")
-        entry["predicted"] = {"peak_frac": round((sim.base_bytes + predicted)
-                                                 / sim.capacity_bytes, 4)}
+        entry["predicted"] = {"peak_frac": round((card.base_bytes + predicted)
+                                                 / card.capacity_bytes, 4)}
         if not self.config.act or room <= 0:
             return 1, entry
         return min(size, max(2, -(-int(predicted) // int(room)))), entry
@@ -112,7 +113,7 @@ class SpikesMixin:
 
     def _measure_splits(self) -> None:
         """The step's measured peak beside each split's prediction, then into the results."""
-        peak = self.sim_device.step_peak_bytes / self.sim_device.capacity_bytes
+        peak = self.card.step_peak_bytes / self.card.capacity_bytes
         for entry in self._split_pending:
             entry["measured"] = {"peak_frac": round(peak, 4)}
             self.decisions.append(entry)

@@ -54,6 +54,8 @@ class StepsMixin:
                 self._fill_memory(step)
             if not guard.loader_attached:      # else the loader opens the step (attach_loader)
                 guard.begin_step(step)
+            if self.card is not None:
+                self.card.new_step()
             weights = self._step_weights(micro_batches)   # per micro-batch: its share
             step_loss = None                   # the step's loss: mean over its samples
             for micro, weight in enumerate(weights):
@@ -133,13 +135,13 @@ class StepsMixin:
         step's samples), detached. On a simulated card an oversized batch runs in pieces
         (:meth:`_pieces`), each weighted by its samples, so the gradient and the global batch
         are those of the whole micro-batch."""
-        guard, faults, sim = self.guard, self.fault_runtime, self.sim_device
-        pieces = self._pieces(batch) if sim is not None else ((batch, 1.0),)
+        guard, faults, card = self.guard, self.fault_runtime, self.card
+        pieces = self._pieces(batch) if card is not None else ((batch, 1.0),)
         total = None
         for i, (piece, share) in enumerate(pieces):
             started = time.perf_counter() if faults is not None else 0.0
             with self.planned.grad_sync(last and i == len(pieces) - 1), \
-                    (sim.tracking() if sim is not None else contextlib.nullcontext()):
+                    (card.tracking() if card is not None else contextlib.nullcontext()):
                 with self._forward_precision():
                     loss = self.config.loss_fn(self.planned.module, piece)
                 _check_loss(loss, self.step)
@@ -151,7 +153,7 @@ class StepsMixin:
                 if faults is not None:
                     faults.after_backward(time.perf_counter() - started)
             guard.mark("backward")
-            if sim is not None:
+            if card is not None:
                 self._learn_activations(piece)
             total = scaled.detach() if total is None else total + scaled.detach()
         return total

@@ -1,0 +1,63 @@
+"""The real card's figures for pricing a micro-batch before its forward (CUDA).
+
+The train loop prices each micro-batch from the activation bytes per batch element measured on
+the earlier ones (``runtime/loop/spikes.py``). On CPU a simulated card counts them
+(:class:`~raytrain_guard.runtime.faults.SimulatedDevice`); on CUDA this class reads PyTorch's
+caching allocator: its counters live on the host, so reading and resetting them costs no
+device synchronization. It resets the peak counter before each micro-batch
+(``torch.cuda.reset_peak_memory_stats``): a loop of one's own that reads
+``max_memory_allocated`` per step sees the last micro-batch's peak. A micro-batch's measure
+includes the gradients it allocates (the first one of a step, gradients set to None): the
+price per element errs high, so a spike may be split into more pieces than it needs, never
+fewer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+
+class CudaCard:
+    """``capacity_bytes``: the card (``device_memory_bytes`` when the run caps it); the rest
+    the allocator's counters for ``device``. The same figures as the simulated card:
+    :attr:`base_bytes` (held outside a forward), :meth:`tracking` (a micro-batch's forward and
+    backward, leaving :attr:`last_activation_bytes`), :attr:`step_peak_bytes`."""
+
+    def __init__(self, device: Any, capacity_bytes: int | None = None, *, cuda: Any = None) -> None:
+        if cuda is None:
+            import torch
+            cuda = torch.cuda
+        self._cuda = cuda              # torch.cuda; tests pass a fake one
+        self.device = device
+        self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None
+                                  else cuda.get_device_properties(device).total_memory)
+        self.last_activation_bytes = 0
+        self._step_peak = 0
+
+    @property
+    def base_bytes(self) -> int:
+        """What the allocator holds now: parameters, gradients, optimizer state, the rest."""
+        return int(self._cuda.memory_allocated(self.device))
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """The highest allocation of the micro-batches tracked since the last :meth:`new_step`."""
+        return max(self._step_peak, int(self._cuda.max_memory_allocated(self.device)))
+
+    def new_step(self) -> None:
+        self._step_peak = 0
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Measure what the block (one micro-batch's forward and backward) allocates beyond
+        what was held before it: its activations and their transients."""
+        base = self.base_bytes
+        self._cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            peak = int(self._cuda.max_memory_allocated(self.device))
+            self._step_peak = max(self._step_peak, peak)
+            self.last_activation_bytes = max(0, peak - base)
