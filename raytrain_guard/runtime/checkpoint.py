@@ -4,7 +4,9 @@ What the loop writes and resumes from is sharded (:func:`save_sharded`, :func:`l
 every rank writes its own part of model and optimizer with ``torch.distributed.checkpoint``
 and rank 0 a small meta file (step, loader position, every rank's RNG and gate state, losses,
 batch layout, scheduler); a resume on any world size reads back the parts each rank holds now.
-No rank gathers the whole model, and the meta file loads with ``weights_only=True``.
+The optimizer is written one entry per parameter, by name, under every strategy (ZeRO-1: each
+rank its own partition), so a resume may change the world size and the strategy. No rank
+gathers the whole model or optimizer, and everything loads with ``weights_only=True``.
 
 The one-file functions (:func:`gather_train_state` to rank 0, :func:`write_train_state`,
 :func:`read_train_state`, :func:`load_train_state` with its broadcast from rank 0) make a
@@ -17,7 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from raytrain_guard.errors import InputError
 
@@ -227,7 +230,11 @@ def _is_zero(optimizer: Any) -> bool:
 # -- sharded checkpoints (torch.distributed.checkpoint) ----------------------------------------
 
 META_FILE = "train_meta.pt"
-SHARDED_FORMAT_VERSION = 2
+SHARDED_FORMAT_VERSION = 3
+#: The optimizer in the shards: one entry per parameter, keyed by its fully qualified name
+#: (torch's flattened optimizer state dict: ``state.<fqn>.<name>``, ``param_groups.<fqn>.<key>``),
+#: under every strategy, so any strategy and world size can read any other's.
+OPTIMIZER_LAYOUT = "per-parameter"
 
 
 def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any, *,
@@ -236,16 +243,17 @@ def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
                  loss: float | None = None) -> dict[str, Any]:
     """Every rank writes its own shard of model and optimizer into ``directory`` with
     ``torch.distributed.checkpoint`` (FSDP2's DTensors stay sharded; DDP's replicated tensors
-    are written once); rank 0 adds :data:`META_FILE` (step, loader, every rank's RNG and gate
+    are written once, spread over the ranks; ZeRO-1's optimizer state by the rank that owns
+    each parameter); rank 0 adds :data:`META_FILE` (step, loader, every rank's RNG and gate
     state, losses, extra), gathered with one small ``all_gather_object``. A collective: every
     rank calls it, each with a directory of its own or a shared one (Ray Train merges the
-    ranks' directories of one report). No rank holds more than its shard. ZeRO-1's optimizer
-    is consolidated on rank 0 (ZeroRedundancyOptimizer has no sharded state dict) and written
-    in the meta file. Returns the meta (every rank's view)."""
+    ranks' directories of one report). No rank holds more than its shard. The optimizer is
+    written per parameter (:data:`OPTIMIZER_LAYOUT`). Returns the meta (every rank's view)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
@@ -253,23 +261,23 @@ def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
-    zero = _is_zero(optimizer)
     state: dict[str, Any] = {"model": get_model_state_dict(planned.module)}
-    zero_state = None
-    if zero:
-        optimizer.consolidate_state_dict(to=0)
-        zero_state = optimizer.state_dict() if rank == 0 else None
+    if _is_zero(optimizer):
+        state["optimizer"] = _zero_partition(planned.module, optimizer)
     else:
-        state["optimizer"] = get_optimizer_state_dict(planned.module, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(
+            planned.module, optimizer,
+            options=StateDictOptions(flatten_optimizer_state_dict=True))
     os.makedirs(directory, exist_ok=True)
     dcp.save(state, checkpoint_id=str(directory), no_dist=not distributed)
     per_rank = {"rng": _portable(rng_state()), "guard": dict(guard_state or {}), "loss": loss}
     gathered = gather_objects(per_rank)
     meta = {"format_version": SHARDED_FORMAT_VERSION, "step": int(step),
             "world_size": world_size, "strategy": planned.strategy.value,
+            "optimizer_layout": OPTIMIZER_LAYOUT,
             "loader": dict(loader_state), "rng": [g["rng"] for g in gathered],
             "guard": [g["guard"] for g in gathered], "losses": [g["loss"] for g in gathered],
-            "extra": dict(extra or {}), "zero_optimizer": zero_state}
+            "extra": dict(extra or {})}
     if rank == 0:
         tmp = os.path.join(directory, META_FILE + ".tmp")
         torch.save(meta, tmp)
@@ -279,13 +287,16 @@ def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
 
 def load_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any, *,
                  world_rank: int) -> dict[str, Any]:
-    """Resume from :func:`save_sharded`'s ``directory`` on any world size: every rank reads the
-    small meta file (``weights_only=True``: tensors, numbers and strings only) and, through
-    ``torch.distributed.checkpoint``, the parts of the shards it now holds (FSDP2 is resharded
-    to the new mesh). A collective. Returns the meta without the optimizer state."""
+    """Resume from :func:`save_sharded`'s ``directory`` on any world size and strategy: every
+    rank reads the small meta file (``weights_only=True``: tensors, numbers and strings only)
+    and, through ``torch.distributed.checkpoint``, the parts of the shards it now holds (FSDP2
+    is resharded to the new mesh; ZeRO-1 reads the state of the parameters it owns under the
+    new partition). Non-tensor entries load with ``weights_only=True`` too. A collective.
+    Returns the meta."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
@@ -294,20 +305,23 @@ def load_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
 
     meta = read_meta(directory)
     zero = _is_zero(optimizer)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
     state: dict[str, Any] = {"model": get_model_state_dict(planned.module)}
-    if not zero:
-        state["optimizer"] = get_optimizer_state_dict(planned.module, optimizer)
+    if zero:
+        state["optimizer"], groups = _zero_template(directory, planned.module, optimizer)
+    else:
+        state["optimizer"] = get_optimizer_state_dict(planned.module, optimizer, options=flat)
     distributed = dist.is_available() and dist.is_initialized()
-    dcp.load(state, checkpoint_id=str(directory), no_dist=not distributed)
+    dcp.load(state, checkpoint_id=str(directory), planner=_safe_load_planner(),
+             no_dist=not distributed)
     set_model_state_dict(planned.module, state["model"])
     if zero:
-        optimizer.load_state_dict(meta["zero_optimizer"])
+        _load_zero_partition(planned.module, optimizer, state["optimizer"], groups)
     else:
-        set_optimizer_state_dict(planned.module, optimizer, state["optimizer"])
+        set_optimizer_state_dict(planned.module, optimizer, state["optimizer"], options=flat)
     rngs = meta.get("rng") or []
     if world_rank < len(rngs):
         set_rng_state(_native(rngs[world_rank]))
-    meta.pop("zero_optimizer", None)
     logger.info("rank %d: restored step %d from shards (loader %s)", world_rank, meta["step"],
                 meta.get("loader"))
     return meta
@@ -325,7 +339,160 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise InputError("checkpoint", "unknown format version", value=meta.get("format_version"),
                          fix=f"write it with this version of raytrain_guard "
                              f"({SHARDED_FORMAT_VERSION})")
+    if meta.get("optimizer_layout") != OPTIMIZER_LAYOUT or "zero_optimizer" in meta:
+        raise InputError("checkpoint", f"optimizer state not stored {OPTIMIZER_LAYOUT} (a "
+                         f"consolidated optimizer in the meta file is not read)",
+                         value=meta.get("optimizer_layout"),
+                         fix="resume from a checkpoint written by this version of "
+                             "raytrain_guard's save_sharded")
     return meta
+
+
+def _safe_load_planner() -> Any:
+    """A load planner whose non-tensor entries (optimizer hyper-parameters, ...) are
+    deserialized with ``weights_only=True`` (DCP's default planner loads them unrestricted)."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            torch.load(value, weights_only=True)     # raises on anything but plain data
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return SafeLoadPlanner()
+
+
+def _param_names(module: Any) -> dict[Any, str]:
+    """Parameter -> its name in ``get_model_state_dict`` (DDP's ``module.``, torch.compile's and
+    activation checkpointing's prefixes left out), the key its optimizer state is written under
+    by ``get_optimizer_state_dict``: the same naming, so every strategy reads the others'."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    names: dict[Any, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(param, next(iter(_get_fqns(module, name))))
+    return names
+
+
+def _zero_partition(module: Any, zero: Any) -> dict[str, Any]:
+    """This rank's part of a ZeroRedundancyOptimizer: the state and group settings of the
+    parameters its local optimizer owns, in torch's flattened layout (one entry per parameter,
+    by name), so that each rank writes only its partition and a reader of any world size finds
+    each parameter's state by name."""
+    names = _param_names(module)
+    local = zero.optim
+    out: dict[str, Any] = {}
+    for group in local.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for param in group["params"]:
+            fqn = names[param]
+            for key, value in _flatten(local.state.get(param, {}), f"state.{fqn}"):
+                out[key] = value
+            for key, value in settings.items():
+                out[f"param_groups.{fqn}.{key}"] = value
+    return out
+
+
+def _flatten(nested: Mapping[Any, Any], prefix: str):
+    for key, value in nested.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(value, f"{prefix}.{key}")
+        else:
+            yield f"{prefix}.{key}", value
+
+
+def _zero_template(directory: str | os.PathLike[str], module: Any,
+                   zero: Any) -> tuple[dict[str, Any], list[str | None]]:
+    """What this rank reads for its ZeroRedundancyOptimizer under the current partition: the
+    saved state of the parameters it owns now (empty tensors shaped from the checkpoint's
+    metadata, on the parameter's device; 0-dim ones such as Adam's ``step`` on CPU, as
+    ZeroRedundancyOptimizer keeps them), and each parameter group's settings from its first
+    parameter. Returns the template and, per group, the name whose settings it reads."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    names = _param_names(module)
+    owned = {names[p]: p for group in zero.optim.param_groups for p in group["params"]}
+    groups = [names[g["params"][0]] if g["params"] else None for g in zero.param_groups]
+    heads = set(filter(None, groups))
+    template: dict[str, Any] = {}
+    metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    for key, item in metadata.items():
+        if not key.startswith("optimizer."):
+            continue
+        section, _, rest = key[len("optimizer."):].partition(".")
+        fqn = _owner(rest, owned if section == "state" else heads)
+        if fqn is None:
+            continue
+        if isinstance(item, TensorStorageMetadata):
+            device = owned[fqn].device if section == "state" and len(item.size) else "cpu"
+            value: Any = torch.empty(item.size, dtype=item.properties.dtype, device=device)
+        else:
+            value = None                    # a plain value, read as it was written
+        template[key[len("optimizer."):]] = value
+    missing = [fqn for fqn in heads if not any(k.startswith(f"param_groups.{fqn}.")
+                                               for k in template)]
+    if missing:
+        raise InputError("checkpoint", "has no optimizer settings for parameter(s) "
+                         + ", ".join(sorted(missing)), value=str(directory),
+                         fix="resume with the model and parameter groups the checkpoint was "
+                             "written with")
+    return template, groups
+
+
+def _owner(rest: str, fqns: Any) -> str | None:
+    """The name in ``fqns`` that ``rest`` (``<fqn>.<entry>``) starts with, or None; names
+    contain dots, so every split point is tried."""
+    parts = rest.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:end])
+        if name in fqns:
+            return name
+    return None
+
+
+def _load_zero_partition(module: Any, zero: Any, flat: Mapping[str, Any],
+                         groups: list[str | None]) -> None:
+    """Load what :func:`_zero_template` read into ZeRO's local optimizer (torch's own
+    ``Optimizer.load_state_dict``: dtypes and devices as the parameters need them), and the
+    groups' settings into ZeRO's exposed groups too (its ``step`` copies those to the local
+    optimizer first)."""
+    names = _param_names(module)
+    local = zero.optim
+    state: dict[int, Any] = {}
+    param_groups: list[dict[str, Any]] = []
+    index = 0
+    for group, head in zip(local.param_groups, groups):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        if head is not None:
+            prefix = f"param_groups.{head}."
+            settings.update({k[len(prefix):]: v for k, v in flat.items()
+                             if k.startswith(prefix)})
+        ids = []
+        for param in group["params"]:
+            entries = _nest(flat, f"state.{names[param]}.")
+            if entries:
+                state[index] = entries
+            ids.append(index)
+            index += 1
+        param_groups.append(dict(settings, params=ids))
+    local.load_state_dict({"state": state, "param_groups": param_groups})
+    for exposed, group in zip(zero.param_groups, local.param_groups):
+        exposed.update((k, v) for k, v in group.items() if k != "params")
+
+
+def _nest(flat: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith(prefix):
+            *path, last = key[len(prefix):].split(".")
+            node = out
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+    return out
 
 
 def _portable(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -348,16 +515,27 @@ def _native(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def read_sharded(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """A sharded checkpoint whole, in this process (no process group, no model): the meta
-    with ``model`` and ``optimizer`` as full state dicts. For inspection, tests and export; a
-    training rank resumes with :func:`load_sharded`."""
-    import tempfile
-
+    with ``model`` (a full state dict) and ``optimizer`` (one entry per parameter:
+    ``state.<fqn>.<name>`` and ``param_groups.<fqn>.<key>``, what
+    ``set_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``
+    loads), whichever strategy wrote it. Every entry is read with ``weights_only=True``. For
+    inspection, tests and export; a training rank resumes with :func:`load_sharded`."""
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = read_meta(directory)
-    with tempfile.TemporaryDirectory(prefix="rtg-read-") as tmp:
-        whole = os.path.join(tmp, "whole.pt")
-        dcp_to_torch_save(directory, whole)
-        meta.update(torch.load(whole, map_location="cpu", weights_only=True))
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    # every entry the checkpoint holds, shaped from its metadata (as dcp_to_torch_save does),
+    # then read into place: tensors whole, plain values with weights_only=True
+    whole: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        *path, last = metadata.planner_data.get(key, (key,))
+        node = whole
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = torch.empty(item.size, dtype=item.properties.dtype) \
+            if isinstance(item, TensorStorageMetadata) else None
+    dcp.load(whole, checkpoint_id=str(directory), planner=_safe_load_planner(), no_dist=True)
+    meta.update(whole)
     return meta
