@@ -71,7 +71,7 @@ export PY
 export -f setup
 step setup 45 bash -c setup
 step pytest_gpu 120 "$PY" -m pytest -q -p no:cacheprovider --timeout 100 -rA \
-    tests/test_loader_cuda.py \
+    tests/test_loader_cuda.py tests/test_cuda_card.py \
     tests/test_probes.py::test_cuda_probe_reads_allocator_counters \
     tests/test_timing.py::test_cuda_events_come_back_a_step_later \
     tests/test_timing.py::test_cuda_events_are_pooled \

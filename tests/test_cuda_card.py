@@ -71,3 +71,19 @@ def test_the_measure_survives_a_failing_micro_batch():
         cuda.alloc(700)
         raise RuntimeError("out of memory")
     assert card.last_activation_bytes == 700
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_on_a_real_card_the_measure_is_the_allocators_peak_over_the_base():
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                                torch.nn.Linear(4096, 1024)).cuda()
+    card = CudaCard(torch.device("cuda"))
+    x = torch.randn(64, 1024, device="cuda")
+    base = torch.cuda.memory_allocated()
+    with card.tracking():
+        model(x).square().mean().backward()
+    # saved: x, the first output and the GELU output (64 x 4096 fp32, twice), at least
+    assert card.last_activation_bytes >= 2 * 64 * 4096 * 4
+    assert card.step_peak_bytes == torch.cuda.max_memory_allocated()
+    assert card.last_activation_bytes == card.step_peak_bytes - base
