@@ -358,13 +358,14 @@ def attach_fsdp_comm_timer(module: Any, timer: StepTimer, *,
                            before_reduce_scatter: Callable[[], None] | None = None) -> int:
     """Time FSDP2's all-gathers and reduce-scatters into ``timer``; returns the units timed.
 
-    Every FSDP2 unit of ``module`` gets its collectives through ``set_custom_all_gather`` and
-    ``set_custom_reduce_scatter``, wrapping PyTorch's default ones. On the host clock (gloo)
-    every collective blocks the training thread, so its whole time is communication wait and
-    is taken out of the forward or backward it fell in. On CUDA the collectives run on side
-    streams beside compute: only the reduce-scatter tail after the last gradient is counted,
-    as for DDP (the all-gathers' exposed waits are not measured there).
-    ``before_reduce_scatter`` runs before each reduce-scatter (the fault seam of a slow link).
+    On the host clock (gloo) every collective blocks the training thread, so every FSDP2 unit
+    of ``module`` gets its all-gathers and reduce-scatters timed (``set_custom_all_gather``,
+    ``set_custom_reduce_scatter``, wrapping PyTorch's default ones): their whole time is
+    communication wait, taken out of the forward or backward it fell in. On CUDA the
+    collectives run on side streams beside compute: only the root unit's reduce-scatter, the
+    last of the backward, is timed (two events a step), and its tail after the last gradient
+    counts, as for DDP (the all-gathers' exposed waits are not measured there).
+    ``before_reduce_scatter`` runs before each timed reduce-scatter (the seam of a slow link).
     A unit that refuses custom collectives (several parameter groups) is left untimed.
     """
     try:
@@ -379,11 +380,13 @@ def attach_fsdp_comm_timer(module: Any, timer: StepTimer, *,
     gather = _TimedAllGather(DefaultAllGather(), timer)
     scatter = _TimedReduceScatter(DefaultReduceScatter(), timer, before_reduce_scatter)
     timed = 0
-    for unit in module.modules():
+    units = module.modules() if timer.on_host else [module]
+    for unit in units:
         if not isinstance(unit, FSDPModule):
             continue
         try:
-            unit.set_custom_all_gather(gather)
+            if timer.on_host:
+                unit.set_custom_all_gather(gather)
             unit.set_custom_reduce_scatter(scatter)
             timed += 1
         except ValueError as exc:
@@ -392,8 +395,7 @@ def attach_fsdp_comm_timer(module: Any, timer: StepTimer, *,
 
 
 class _TimedAllGather:
-    """FSDP2's default all-gather, run to completion and timed on the host clock; on CUDA
-    passed through."""
+    """FSDP2's default all-gather, run to completion and timed on the host clock."""
 
     def __init__(self, inner: Any, timer: StepTimer) -> None:
         self.inner = inner
@@ -404,8 +406,6 @@ class _TimedAllGather:
 
     def __call__(self, output_tensor: Any, input_tensor: Any, group: Any,
                  async_op: bool = False) -> Any:
-        if not self.timer.on_host:
-            return self.inner(output_tensor, input_tensor, group, async_op)
         start = self.timer.now()
         # synchronous: FSDP2 reads a None work as an all-gather that is already complete
         self.inner(output_tensor, input_tensor, group, False)
