@@ -52,7 +52,13 @@ from typing import Any
 import ray.train
 import ray.train.torch
 
-from raytrain_guard.cluster.launcher import DEFAULT_NAMESPACE, RunSummary, check_plan, summarize
+from raytrain_guard.cluster.launcher import (
+    DEFAULT_NAMESPACE,
+    RunSummary,
+    check_plan,
+    summarize,
+    worker_range,
+)
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError
 from raytrain_guard.runtime.worker_guard import (
@@ -271,7 +277,9 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
                 logger.info("run %s: no guard.model_factory, the run is not planned before "
                             "launch", self.run_id)
                 return ""
-            plan = plan_options(options, num_workers=self.scaling_config.num_workers,
+            # an elastic (min, max) run is planned on min: each rank's sharded share is largest
+            fewest, _ = worker_range(self.scaling_config.num_workers)
+            plan = plan_options(options, num_workers=fewest,
                                 use_gpu=bool(self.scaling_config.use_gpu))
         return check_plan(plan, force=options.force)
 

@@ -161,3 +161,37 @@ def test_the_loop_runs_the_fsdp_grad_sync_its_plan_chose_unless_told():
     ddp = types.SimpleNamespace(fsdp_grad_sync=None)
     assert "fsdp_grad_sync" not in with_planned_grad_sync({}, ddp)
     assert with_planned_grad_sync({}, False) == {}
+
+
+def test_a_global_batch_is_laid_out_on_the_world_the_run_starts_with():
+    from raytrain_guard.runtime.context import WorkerContext
+
+    def first(world, **changes):
+        config = LoopConfig.from_dict({**BASE, "dataset_factory": toy.make_dataset,
+                                       "micro_batch": 4, **changes})
+        loop = GuardedTrainLoop(config, reporter=DirectoryReporter("/tmp"),
+                                context=WorkerContext(world_rank=0, world_size=world))
+        return loop.micro_batch, loop.grad_accum
+
+    assert first(1) == (4, 1)                                # no global batch: as configured
+    assert first(1, global_batch=24) == (4, 6)
+    assert first(2, global_batch=24) == (4, 3)
+    assert first(4, global_batch=24) == (3, 2)               # 6 a rank: 4 does not divide it
+    with pytest.raises(InputError, match="global_batch.*cannot be shared evenly by 5"):
+        first(5, global_batch=24)
+
+
+def test_an_elastic_range_needs_a_global_batch_every_size_shares_and_a_restart():
+    from raytrain_guard.cluster.launcher import elastic_loop_config, worker_range
+
+    assert worker_range(3) == (3, 3) and worker_range((1, 4)) == (1, 4)
+    for bad in (0, True, 2.0, (3, 2), (1, 2, 3), (0, 2)):
+        with pytest.raises(InputError, match="num_workers"):
+            worker_range(bad)
+    config = {"micro_batch": 2, "grad_accum": 3}
+    assert elastic_loop_config(config, 1, 2, 1)["global_batch"] == 12   # at the most workers
+    assert elastic_loop_config({**config, "global_batch": 12}, 2, 4, 1)["global_batch"] == 12
+    with pytest.raises(InputError, match="evenly by 4 workers"):
+        elastic_loop_config(config, 4, 5, 1)                 # 2 x 3 x 5 = 30: not by 4
+    with pytest.raises(InputError, match="max_failures"):
+        elastic_loop_config(config, 1, 2, 0)

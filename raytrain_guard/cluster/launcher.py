@@ -315,13 +315,14 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     from raytrain_guard.cluster.actors import start_coordinator, start_monitors, stop_all
     from raytrain_guard.runtime.train_loop import train_loop_per_worker
 
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
-        raise InputError("num_workers", "must be an integer >= 1", value=num_workers,
-                         fix="e.g. num_workers=2")
+    fewest, most = worker_range(num_workers)
+    if fewest != most:
+        train_loop_config = elastic_loop_config(train_loop_config, fewest, most, max_failures)
     config = effective_config(config, train_loop_config.get("guard"))
     run_plan = None           # what the coordinator prices its actions with, when we plan here
     if plan is None:
-        plan, run_plan = traced_plan(train_loop_config, num_workers=num_workers,
+        # on the fewest workers: each rank's share of sharded state is largest there
+        plan, run_plan = traced_plan(train_loop_config, num_workers=fewest,
                                      use_gpu=use_gpu, device_memory_bytes=device_memory_bytes,
                                      config=config)
     plan_line = check_plan(plan, force=force, fixes=fixes) if plan is not False else ""
@@ -354,7 +355,8 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
             train_loop_per_worker, train_loop_config=loop_config,
             torch_config=TorchConfig(timeout_s=int(collective_timeout_s))
             if collective_timeout_s else None,
-            scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+            scaling_config=ScalingConfig(num_workers=num_workers if fewest == most
+                                         else (fewest, most), use_gpu=use_gpu,
                                          resources_per_worker=dict(resources_per_worker)
                                          if resources_per_worker else None,
                                          placement_strategy=placement_strategy),
@@ -374,10 +376,43 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
             stop_all(namespace, run_id)
         except Exception:  # noqa: BLE001 - teardown must not hide the run's own error
             logger.warning("stopping the guard's actors failed", exc_info=True)
-    global_batch = (int(loop_config.get("micro_batch", 32)) * int(loop_config.get("grad_accum", 1))
-                    * num_workers)
+    global_batch = loop_config.get("global_batch") or (
+        int(loop_config.get("micro_batch", 32)) * int(loop_config.get("grad_accum", 1)) * most)
     return summarize(run_id, _results_of(result), status, time.perf_counter() - start,
                      plan_line, global_batch)
+
+
+def worker_range(num_workers: Any) -> tuple[int, int]:
+    """``num_workers`` as Ray Train takes it (an integer, or ``(min, max)`` for an elastic
+    run) -> ``(min, max)``; a bad value raises InputError naming it (pure)."""
+    values = num_workers if isinstance(num_workers, (tuple, list)) else (num_workers,) * 2
+    if len(values) != 2 or any(not isinstance(v, int) or isinstance(v, bool) or v < 1
+                               for v in values) or values[0] > values[1]:
+        raise InputError("num_workers", "must be an integer >= 1 or a (min, max) pair of them "
+                         "with min <= max", value=num_workers, fix="e.g. 2, or (2, 4)")
+    return values[0], values[1]
+
+
+def elastic_loop_config(train_loop_config: Mapping[str, Any], fewest: int, most: int,
+                        max_failures: int) -> dict[str, Any]:
+    """The loop's config for an elastic run of ``fewest``..``most`` workers: a ``global_batch``
+    (the config's, else micro_batch x grad_accum x ``most``) that every size shares evenly, so
+    the run trains the same steps at any size; refused when some size cannot share it, or when
+    ``max_failures`` is 0 (Ray Train counts a lost worker as a failure) (pure)."""
+    if max_failures < 1:
+        raise InputError("max_failures", "an elastic run restarts at a new size through Ray "
+                         "Train's failure handling, and 0 allows no restart", value=max_failures,
+                         fix="pass max_failures >= 1 (one per worker loss to survive)")
+    global_batch = train_loop_config.get("global_batch") or (
+        int(train_loop_config.get("micro_batch", 32))
+        * int(train_loop_config.get("grad_accum", 1)) * most)
+    uneven = [n for n in range(fewest, most + 1) if global_batch % n]
+    if uneven:
+        raise InputError("global_batch", f"{global_batch} samples per step cannot be shared "
+                         f"evenly by {', '.join(map(str, uneven))} workers", value=global_batch,
+                         fix=f"pass train_loop_config['global_batch'] as a multiple of every "
+                             f"size from {fewest} to {most}")
+    return {**train_loop_config, "global_batch": global_batch}
 
 
 def with_planned_grad_sync(train_loop_config: Mapping[str, Any], plan: Any) -> Mapping[str, Any]:

@@ -85,8 +85,7 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
         self._audit = None
         self.results: dict[str, Any] = {}
         # the batch layout now: the config's until a shrink (or a resumed checkpoint) changes it
-        self.micro_batch = config.micro_batch
-        self.grad_accum = config.grad_accum
+        self.micro_batch, self.grad_accum = _first_layout(config, self.world_size)
         self.batch_changes: list[dict[str, Any]] = []     # applied and refused shrinks
         self._requested_prefetch: int | None = None        # last SET_PREFETCH cap, kept on rebuild
         # the cadences at which a boundary reads the guard's StepStats (_stats_due)
@@ -286,6 +285,21 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _first_layout(config: LoopConfig, world_size: int) -> tuple[int, int]:
+    """The config's micro-batch and accumulation; with ``global_batch``, the layout of it on
+    this many ranks (:func:`relayout`: the largest micro-batch up to the config's that divides a
+    rank's share), so a run started at any size of an elastic range trains the same steps."""
+    if config.global_batch is None:
+        return config.micro_batch, config.grad_accum
+    layout = relayout(config.global_batch, world_size, config.micro_batch)
+    if layout is None:
+        raise InputError("global_batch", f"{config.global_batch} samples cannot be shared "
+                         f"evenly by {world_size} workers", value=config.global_batch,
+                         fix="use a global batch that every worker count the run may have "
+                             "divides (e.g. a multiple of the least common multiple of min..max)")
+    return layout
 
 
 def _control_plane(world_size: int) -> Any:

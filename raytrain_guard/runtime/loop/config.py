@@ -48,6 +48,8 @@ class LoopConfig:
     epoch_tail: str = "short_step"               # an epoch's leftover micro-batches: a shorter
                                                  # last step ("short_step") or none ("drop")
     allow_global_batch_change: bool = False      # a resume at another world size may change it
+    global_batch: int | None = None              # samples per optimizer step over all ranks:
+                                                 # the layout follows the world size (elastic)
     act: bool = True                             # False: measure and decide, apply nothing
     restart_after_stop: bool = False             # a guard stop checkpoints, then restarts
     device_memory_bytes: int | None = None       # a simulated card of this size on CPU
@@ -76,7 +78,7 @@ class LoopConfig:
             if name in values:
                 values[name] = _as_int(name, values[name], lo)
         for name in ("max_steps", "checkpoint_every_steps", "num_workers",
-                     "stop_check_every_steps"):
+                     "stop_check_every_steps", "global_batch"):
             if values.get(name) is not None:
                 values[name] = _as_int(name, values[name], 0 if name == "num_workers" else 1)
         if "strategy" in values:
