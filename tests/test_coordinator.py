@@ -265,9 +265,13 @@ def setup_with_cache(mem, cached_gib, mb=2, ga=1):
             "device_total_bytes": CARD}
 
 
-def report(c, first, mem, cached_gib=8.0):
-    c.report_steps(0, "n0", 0, batch(0, first, mem=0.5), setup_with_cache(0.5, 1.0))
-    c.report_steps(1, "n0", 0, batch(1, first, mem=mem), setup_with_cache(mem, cached_gib))
+def report(c, first, mem, cached_gib=8.0, applied=None):
+    """Steps first..first+9 of both ranks; ``applied``: (step, decision id) their lockstep
+    applied since the last report."""
+    c.report_steps(0, "n0", 0, batch(0, first, mem=0.5), setup_with_cache(0.5, 1.0),
+                   applied=applied)
+    c.report_steps(1, "n0", 0, batch(1, first, mem=mem), setup_with_cache(mem, cached_gib),
+                   applied=applied)
 
 
 def test_a_release_that_missed_is_measured_stored_and_not_repeated():
@@ -278,7 +282,7 @@ def test_a_release_that_missed_is_measured_stored_and_not_repeated():
     assert d["action"] == "release_cache" and d["predicted"]["delta_frac"] == -0.1
     assert d["measured"] is None
     for first in (11, 21, 31):                      # the reading stays at 0.89 (steady)
-        report(c, first, 0.89)
+        report(c, first, 0.89, applied=[(20, d["decision_id"])] if first == 21 else None)
     assert c.decide(next_apply_step=60) == []       # measured over steps 21-40: missed
     (m,) = c.decisions_since(0)
     assert m["measured"]["missed"] is True
@@ -297,15 +301,46 @@ def test_a_release_that_missed_is_measured_stored_and_not_repeated():
 def test_a_release_that_worked_may_be_decided_again():
     c = coordinator()
     report(c, 1, 0.89)
-    c.decide(next_apply_step=20)
+    (d,) = c.decide(next_apply_step=20)
     report(c, 11, 0.89)
-    for first in (21, 31):
-        report(c, first, 0.80)                      # fell 0.09 of a predicted 0.10
+    for first in (21, 31):                          # fell 0.09 of a predicted 0.10
+        report(c, first, 0.80, applied=[(20, d["decision_id"])] if first == 21 else None)
     assert c.decide(next_apply_step=60) == []
     (m,) = c.decisions_since(0)
     assert m["measured"]["missed"] is False and m["measured"]["delta_frac"] == -0.09
     report(c, 41, 0.89)                             # climbed back, cache to free again
     assert [d["action"] for d in c.decide(next_apply_step=70)] == ["release_cache"]
+
+
+def test_an_effect_is_measured_from_the_step_the_ranks_applied_it_at():
+    # decided for step 20, delivered late: the lockstep applied it at the agreement at 30.
+    # Measured from 20 it would read steps 21-40, half of them before it took effect
+    c = coordinator()
+    report(c, 1, 0.89)
+    (d,) = c.decide(next_apply_step=20)
+    report(c, 11, 0.89)
+    report(c, 21, 0.89)                              # not applied yet: nothing measured
+    assert c.decide(next_apply_step=60) == [] and c.decisions_since(0)[0]["measured"] is None
+    report(c, 31, 0.80, applied=[(30, d["decision_id"])])
+    # the cooldown counts from 30 too: at latest step 40 the release is still cooling
+    assert c._state.last_release_step == 30
+    report(c, 41, 0.80)
+    assert c.decide(next_apply_step=60) == []
+    (m,) = c.decisions_since(0)
+    assert m["measured"]["applied_at"] == 30 and m["measured"]["missed"] is False
+    assert m["measured"]["delta_frac"] == pytest.approx(-0.09)
+    assert m["measured"]["num_steps_after"] == 40    # 2 ranks x steps 31..50
+
+
+def test_a_decision_no_rank_applied_is_never_measured_nor_judged_missed():
+    c = coordinator()
+    report(c, 1, 0.89)
+    c.decide(next_apply_step=20)
+    for first in (11, 21, 31, 41):
+        report(c, first, 0.89, applied=[(20, 12345), ("x", 1)] if first == 21 else None)
+    assert c.decide(next_apply_step=60) == []
+    assert c.decisions_since(0)[0]["measured"] is None and c.status()["missed"] == []
+    assert c.ignored["malformed"] == 2                  # ("x", 1) from each rank
 
 
 def test_escalation_to_a_priced_shrink_after_a_missed_release():
@@ -315,9 +350,9 @@ def test_escalation_to_a_priced_shrink_after_a_missed_release():
     c = coordinator()
     assert c.set_plan(plan("fsdp-full", GradSync.EVERY_MICRO_BATCH).to_dict())
     report(c, 1, 0.89)
-    c.decide(next_apply_step=20)
+    (release,) = c.decide(next_apply_step=20)
     for first in (11, 21, 31):
-        report(c, first, 0.91)
+        report(c, first, 0.91, applied=[(20, release["decision_id"])] if first == 21 else None)
     (d,) = c.decide(next_apply_step=60)
     assert d["action"] == "shrink_micro_batch" and d["predicted"]["memory_frac_after"] < 0.85
     assert c.status()["plan"] is True

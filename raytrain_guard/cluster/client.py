@@ -22,7 +22,8 @@ could start its decision source, so either all ranks run the lockstep or none do
 (``poll(step, stats) -> list[Decision]``): it feeds the client, hands fetched decisions to
 :class:`~raytrain_guard.cluster.lockstep.Lockstep` and returns what every rank applies at this
 step. The coordinator actor methods used: ``report_steps(world_rank, node_id, attempt,
-stats, setup)``, ``decisions_since(decision_id) -> list[dict]`` and, from a rank's hang
+stats, setup, decision_cursor, applied=[(step, decision id), ...])`` (``applied``: the
+decisions the lockstep applied since the last report, only when there are some), ``decisions_since(decision_id) -> list[dict]`` and, from a rank's hang
 watchdog, ``report_hang(world_rank, node_id, attempt, record) -> dict | None``
 (:func:`send_hang_record`: the one call that waits, at most :data:`HANG_REPORT_TIMEOUT_S`, off
 the training thread).
@@ -94,6 +95,7 @@ class CoordinatorClient:
         self._fetch: Any = None                 # ref of the unanswered decisions_since call
         self._arrived: list[Mapping[str, Any]] = []   # fetched, not yet handed out
         self.cursor = 0                         # newest decision id received
+        self._applied: list[tuple[int, int]] = []   # (step, decision id) not reported yet
         self.num_reports_sent = 0
         self.num_reports_dropped = 0
         self.num_failures = 0
@@ -134,10 +136,13 @@ class CoordinatorClient:
         else:
             setup = self._current_setup()
             rows = [_row(s) for s in batch]
+            applied = {"applied": list(self._applied)} if self._applied else {}
             try:
                 self._reports.append(handle.report_steps.remote(
-                    self.world_rank, self.node_id, self.attempt, rows, setup, self.cursor))
+                    self.world_rank, self.node_id, self.attempt, rows, setup, self.cursor,
+                    **applied))
                 self.num_reports_sent += 1
+                self._applied = []
             except Exception as exc:  # noqa: BLE001 - fail open
                 self._lose(exc)
                 return
@@ -146,6 +151,13 @@ class CoordinatorClient:
                 self._fetch = handle.decisions_since.remote(self.cursor)
             except Exception as exc:  # noqa: BLE001 - fail open
                 self._lose(exc)
+
+    def note_applied(self, step: int, decision_id: int) -> None:
+        """The lockstep applied ``decision_id`` at ``step`` (every rank agreed on that step):
+        sent with the next report, so the coordinator measures the decision's effect from the
+        step it took effect, not from the step it asked for."""
+        self._applied.append((int(step), int(decision_id)))
+        del self._applied[:-64]           # bounded while the coordinator is away
 
     def _current_setup(self) -> dict[str, Any] | None:
         """The rank's batch layout now (the shrink and prefetch rules' input); None when the
@@ -286,6 +298,9 @@ class LockstepDecisionSource:
         due = self.lockstep.poll(step)
         if self.client is not None and self.lockstep.agreed_ids:   # ids heard from other ranks
             self.client.cursor = max(self.client.cursor, max(self.lockstep.agreed_ids))
+        if self.client is not None:
+            for d in due:
+                self.client.note_applied(step, d.decision_id)
         return due
 
     @property

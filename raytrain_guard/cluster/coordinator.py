@@ -16,6 +16,7 @@ Actor methods (stable; the worker client, the monitors and the status CLI call t
   ("cuda"/"cpu"), ``device_index``, ``allocated_bytes``, ``reserved_bytes``,
   ``device_total_bytes``, ``num_workers``, ``batch_bytes``.
   ``decision_cursor``: the newest decision id the rank knows of (new ids are made larger).
+  ``applied``: ``[(step, decision id), ...]`` its lockstep applied since its last report.
 * ``report_node(sample) -> None``: a monitor's ``NodeSample.to_dict()``.
 * ``decide(next_apply_step=None) -> list[dict]``: one policy round now (otherwise rounds run by
   themselves on reports, at most every ``decision_interval_s``); the new decisions.
@@ -38,10 +39,13 @@ Actor methods (stable; the worker client, the monitors and the status CLI call t
 * ``ping() -> str``.
 
 Effects (issue 11): a release, shrink, prefetch change or pacing decision is measured once
-every rank has reported ``decision_cooldown_steps`` steps after its apply step: medians of the
-worst rank's memory fraction (the node's host memory for a prefetch change), of the step time
-and of the data wait, over those steps against the ``decision_cooldown_steps`` steps each rank
-had reported when it was decided. The result is stored with the decision (``measured``, with
+every rank has reported ``decision_cooldown_steps`` steps after the step the ranks applied it
+at (``applied`` in their reports; the lockstep applies a decision whose step has passed when
+the ranks agree at their next agreement step instead, and the policy's cooldown for the
+action then counts from there too; a decision no rank reports applied is not measured):
+medians of the worst rank's memory fraction (the node's host memory for a prefetch change), of
+the step time and of the data wait, over those steps against the ``decision_cooldown_steps``
+steps each rank had reported when it was decided. The result is stored with the decision (``measured``, with
 ``missed``); an action whose memory fell by less than ``effect_min_share`` of its prediction
 goes into the policy's ``missed`` set: it is not repeated for that cause and the policy
 escalates (a shrink if one is predicted to help, else checkpoint-and-stop at critical). The set
@@ -112,15 +116,17 @@ MEASURED_ACTIONS = (Action.RELEASE_CACHE, Action.SHRINK_MICRO_BATCH, Action.SET_
 
 
 class _Pending:
-    """A decision waiting for its effect: the steps before it, per rank, and the node's host
-    memory fraction when it was decided (host actions)."""
+    """A decision waiting for its effect: the steps before it, per rank, the node's host
+    memory fraction when it was decided (host actions), and the step the ranks applied it at
+    (None until a rank reports it)."""
 
-    __slots__ = ("before", "decision", "host_before", "node_id")
+    __slots__ = ("applied_at", "before", "decision", "host_before", "node_id")
 
     def __init__(self, decision: Decision, before: dict[int, tuple[StepStats, ...]],
                  host_before: float | None, node_id: str | None) -> None:
         self.decision, self.before = decision, before
         self.host_before, self.node_id = host_before, node_id
+        self.applied_at: int | None = None
 
 
 class _Hangs:
@@ -196,9 +202,11 @@ class Coordinator:
     # -- reports -----------------------------------------------------------------------------
     def report_steps(self, world_rank: int, node_id: str, attempt: int,
                      stats: Sequence[Any], setup: Mapping[str, Any] | None = None,
-                     decision_cursor: int | None = None) -> None:
+                     decision_cursor: int | None = None,
+                     applied: Sequence[Sequence[int]] | None = None) -> None:
         """One rank's batch of step rows (or StepStats dicts). Never raises: bad reports are
-        counted."""
+        counted. ``applied``: ``(step, decision id)`` pairs the rank's lockstep applied since
+        its last report (see :meth:`_note_applied`)."""
         try:
             rank, node, att = _int(world_rank), str(node_id), _int(attempt)
             if decision_cursor is not None:
@@ -244,7 +252,26 @@ class Coordinator:
         entry.setup = run_setup if setup else entry.setup
         entry.view = RankView(rank, node, tuple(entry.window), entry.setup)
         self.num_reports += 1
+        if applied:
+            self._note_applied(rank, applied)
         self._maybe_decide()
+
+    def _note_applied(self, rank: int, applied: Sequence[Sequence[int]]) -> None:
+        """The steps the ranks applied pending decisions at. The lockstep applies a decision at
+        the step the coordinator asked for, or at the first agreement after a rank fetched it
+        when that step has passed; the effect is measured from the step it took effect, and
+        the policy's cooldown for that action counts from there too."""
+        for pair in applied:
+            try:
+                step, decision_id = _int(pair[0]), _int(pair[1])
+            except Exception:  # noqa: BLE001 - an unreadable pair is dropped
+                self._ignore("malformed", f"rank {rank}: applied entry {pair!r}")
+                continue
+            pending = self._pending.get(decision_id)
+            if pending is None or pending.applied_at is not None:
+                continue
+            pending.applied_at = step
+            self._state = _cooldown_from(self._state, pending.decision, step)
 
     def report_node(self, sample: Mapping[str, Any]) -> None:
         """A node monitor's sample dict. Never raises: bad or old samples are counted."""
@@ -399,11 +426,14 @@ class Coordinator:
         for decision_id in sorted(self._pending):
             pending = self._pending[decision_id]
             d = pending.decision
-            end = d.step + n
+            start = pending.applied_at
+            if start is None:            # not applied yet (or no rank said so): no effect yet
+                continue
+            end = start + n
             if reported < end:
                 continue
             del self._pending[decision_id]
-            after = {r: tuple(s for s in e.window if d.step < s.step <= end)
+            after = {r: tuple(s for s in e.window if start < s.step <= end)
                      for r, e in self._ranks.items()}
             host = (None, None)
             if pending.node_id is not None and pending.host_before is not None:
@@ -414,7 +444,7 @@ class Coordinator:
             if result is None:
                 continue
             miss = missed(d.predicted, result, self.config.effect_min_share)
-            measured = dict(result.to_dict(), missed=miss)
+            measured = dict(result.to_dict(), missed=miss, applied_at=start)
             self._replace_decision(dataclasses.replace(d, measured=measured))
             if d.action is Action.RELEASE_CACHE and not miss:
                 self._state = dataclasses.replace(self._state, release_armed=True)
@@ -541,6 +571,27 @@ class Coordinator:
             self._warned.clear()
         self._warned.add(key)
         logger.warning("[run %s] %s", self.run_id, text)
+
+
+def _cooldown_from(state: PolicyState, d: Decision, step: int) -> PolicyState:
+    """``state`` with the cooldown of ``d``'s action counted from ``step``, where the ranks
+    applied it, when that is later than the step the policy asked for."""
+    def later(last: int | None) -> int:
+        return step if last is None else max(last, step)
+
+    if d.action is Action.SHRINK_MICRO_BATCH:
+        return dataclasses.replace(state, last_shrink_step=later(state.last_shrink_step),
+                                   last_release_step=later(state.last_release_step))
+    if d.action is Action.RELEASE_CACHE:
+        return dataclasses.replace(state, last_release_step=later(state.last_release_step))
+    if d.action is Action.PACE:
+        return dataclasses.replace(state, last_pace_step=later(state.last_pace_step))
+    if d.action is Action.SET_PREFETCH and d.scope.startswith("node:"):
+        node = d.scope.split(":", 1)[1]
+        steps = dict(state.prefetch_steps)
+        steps[node] = later(steps.get(node))
+        return dataclasses.replace(state, prefetch_steps=steps)
+    return state
 
 
 def _checked(s: StepStats) -> StepStats:
