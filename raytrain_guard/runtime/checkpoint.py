@@ -6,7 +6,8 @@ and rank 0 a small meta file (step, loader position, every rank's RNG and gate s
 batch layout, scheduler); a resume on any world size reads back the parts each rank holds now.
 The optimizer is written one entry per parameter, by name, under every strategy (ZeRO-1: each
 rank its own partition), so a resume may change the world size and the strategy. No rank
-gathers the whole model or optimizer, and everything loads with ``weights_only=True``.
+gathers the whole model or optimizer, and every part of a sharded checkpoint loads with
+``weights_only=True``.
 
 The one-file functions (:func:`gather_train_state` to rank 0, :func:`write_train_state`,
 :func:`read_train_state`, :func:`load_train_state` with its broadcast from rank 0) make a
@@ -383,8 +384,10 @@ def _zero_partition(module: Any, zero: Any) -> dict[str, Any]:
     names = _param_names(module)
     local = zero.optim
     out: dict[str, Any] = {}
-    for group in local.param_groups:
-        settings = {k: v for k, v in group.items() if k != "params"}
+    # settings from ZeRO's exposed groups: a scheduler writes there, and ZeRO copies them to
+    # the local optimizer only at its next step
+    for exposed, group in zip(zero.param_groups, local.param_groups):
+        settings = {k: v for k, v in exposed.items() if k != "params"}
         for param in group["params"]:
             fqn = names[param]
             for key, value in _flatten(local.state.get(param, {}), f"state.{fqn}"):
