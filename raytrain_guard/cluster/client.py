@@ -23,8 +23,9 @@ could start its decision source, so either all ranks run the lockstep or none do
 :class:`~raytrain_guard.cluster.lockstep.Lockstep` and returns what every rank applies at this
 step. The coordinator actor methods used: ``report_steps(world_rank, node_id, attempt,
 stats, setup, decision_cursor, applied=[(step, decision id), ...])`` (``applied``: the
-decisions the lockstep applied since the last report, only when there are some), ``decisions_since(decision_id) -> list[dict]`` and, from a rank's hang
-watchdog, ``report_hang(world_rank, node_id, attempt, record) -> dict | None``
+decisions the lockstep applied since the last report, only when there are some),
+``decisions_since(decision_id) -> list[dict]`` and, from a rank's hang watchdog,
+``report_hang(world_rank, node_id, attempt, record) -> dict | None``
 (:func:`send_hang_record`: the one call that waits, at most :data:`HANG_REPORT_TIMEOUT_S`, off
 the training thread).
 """

@@ -45,12 +45,13 @@ the ranks agree at their next agreement step instead, and the policy's cooldown 
 action then counts from there too; a decision no rank reports applied is not measured):
 medians of the worst rank's memory fraction (the node's host memory for a prefetch change), of
 the step time and of the data wait, over those steps against the ``decision_cooldown_steps``
-steps each rank had reported when it was decided. The result is stored with the decision (``measured``, with
-``missed``); an action whose memory fell by less than ``effect_min_share`` of its prediction
-goes into the policy's ``missed`` set: it is not repeated for that cause and the policy
-escalates (a shrink if one is predicted to help, else checkpoint-and-stop at critical). The set
-survives a new attempt (the same model misses the same way). ``metrics.record_measured(
-decision, measured)`` is called when the metrics object has it.
+steps each rank had reported when it was decided. The result is stored with the decision
+(``measured``, with ``missed`` and ``applied_at``); an action whose memory fell by less than
+``effect_min_share`` of its prediction goes into the policy's ``missed`` set: it is not
+repeated for that cause and the policy escalates (a shrink if one is predicted to help, else
+checkpoint-and-stop at critical). The set survives a new attempt (the same model misses the
+same way). ``metrics.record_measured(decision, measured)`` is called when the metrics object
+has it.
 
 Ignored and counted (``status()["ignored"]``): ``stale`` (an earlier attempt of the run, or
 one this coordinator did not issue), ``duplicate`` (a batch already received), ``out_of_order``
