@@ -294,3 +294,23 @@ def test_no_repeated_priced_release_on_a_steady_reading_until_its_effect_is_meas
     hit = dataclasses.replace(cooled, release_armed=True)                 # measured a hit
     assert [d.action for d in _decide(_view(0.89, cached_gib=8.0), hit).decisions] == \
         [Action.RELEASE_CACHE]
+
+
+def test_no_release_for_a_gpu_reading_before_the_workers_registered_on_a_cpu_run():
+    # the node's GPU reads 89 % while no worker of the run is registered with its monitor
+    # yet; every rank reports a CPU setup, so no rank holds an allocator cache to release
+    from raytrain_guard.core.node_samples import GpuSample
+    gpu = GpuSample(0, int(0.89 * CARD), CARD)
+    nodes = {"n0": NodeSample("n0", 1, "e", 0.0, None, (gpu,))}
+
+    def view(device):
+        setup = RunSetup(2, 1, 2, device=device)
+        return ClusterView({r: RankView(r, "n0", _window(r, 0.1), setup) for r in (0, 1)},
+                           nodes, None)
+
+    out = _decide(view("cpu"))
+    assert out.decisions == ()
+    assert "no cache release: the run is on CPU, where there is no allocator cache" in out.notes
+    # a rank not yet known to run on CPU leaves it open: the unpriced release, as before
+    (d,) = _decide(view(None)).decisions
+    assert d.action is Action.RELEASE_CACHE

@@ -296,7 +296,7 @@ def _device_memory(view, state, config, at, latest, decisions, notes) -> PolicyS
                      f"past the out-of-memory line {config.oom_stop_frac:.0%}",
                      {"memory_frac": round(p.frac, 4), "projected_frac": round(projected, 4)})
 
-    setup = view.ranks[p.world_rank].setup if p.world_rank in view.ranks else RunSetup()
+    setup = _setup_of(view, p.world_rank)
     critical = p.frac >= config.memory_critical_frac
     priced: list[Effect] = []
     unpriced: list[Action] = []
@@ -338,6 +338,16 @@ def _device_memory(view, state, config, at, latest, decisions, notes) -> PolicyS
                      f"it under {rearm_below:.0%} ({tried})",
                      {"memory_frac": round(p.frac, 4)})
     return state
+
+
+def _setup_of(view: ClusterView, world_rank: int | None) -> RunSetup:
+    """The setup of the rank behind a reading; for a reading no rank is known behind (a GPU
+    before the workers registered with their monitor), the run's when every rank reporting
+    one runs on CPU (no rank holds an allocator cache then), else unknown."""
+    if world_rank in view.ranks:
+        return view.ranks[world_rank].setup
+    devices = {r.setup.device for r in view.ranks.values()}
+    return RunSetup(device="cpu") if devices == {"cpu"} else RunSetup()
 
 
 def _release_candidate(view, state, config, latest, p, setup, notes) -> Effect | bool:
