@@ -314,3 +314,17 @@ def test_no_release_for_a_gpu_reading_before_the_workers_registered_on_a_cpu_run
     # a rank not yet known to run on CPU leaves it open: the unpriced release, as before
     (d,) = _decide(view(None)).decisions
     assert d.action is Action.RELEASE_CACHE
+
+
+def test_a_priced_shrink_is_taken_at_the_watermark_before_the_gates_critical_stop():
+    # rank 1 at 89 % (over the 88 % watermark, under the 90 % critical line at which its own
+    # gate checkpoints and stops): under FSDP every-micro-batch sync the shrink frees one
+    # sample of activations, so it is decided now; no cache to release (1 GiB cached)
+    out = _decide(_view(0.89, run_plan=plan("fsdp-full", GradSync.EVERY_MICRO_BATCH)))
+    (d,) = out.decisions
+    assert d.action is Action.SHRINK_MICRO_BATCH
+    assert d.predicted["memory_frac_after"] < CFG.memory_watermark_frac - \
+        CFG.memory_hysteresis_frac
+    # without a plan the shrink stays unpriced, and unpriced it waits for critical
+    assert not [d for d in _decide(_view(0.89)).decisions
+                if d.action is Action.SHRINK_MICRO_BATCH]

@@ -20,10 +20,10 @@ independent):
    planner's memory model on the run's plan (``ClusterView.plan``) and the worst rank's
    readings: a cache release (only on CUDA, only when the rank's allocator holds at least
    ``cache_release_min_frac`` of the card cached but unallocated, predicted to free
-   reserved - allocated less what the next step's peak re-reserves) and, at or above
-   ``memory_critical_frac``, a micro-batch shrink (half the micro-batch, twice the
-   accumulation: the global batch is unchanged; under FSDP with last-micro-batch sync it can
-   RAISE the peak). The cheapest one predicted to bring the rank under the re-arm line
+   reserved - allocated less what the next step's peak re-reserves) and a micro-batch shrink
+   (half the micro-batch, twice the accumulation: the global batch is unchanged; under FSDP
+   with last-micro-batch sync it can RAISE the peak; weighed from the watermark on, since at
+   ``memory_critical_frac`` the rank's own gate checkpoints and stops). The cheapest one predicted to bring the rank under the re-arm line
    (watermark - hysteresis) is decided, with its ``predicted`` effect; at critical with none,
    CHECKPOINT_AND_STOP (the predictions in its reason). An action the coordinator measured
    below ``effect_min_share`` of its prediction (``PolicyState.missed``) is not a candidate
@@ -305,11 +305,13 @@ def _device_memory(view, state, config, at, latest, decisions, notes) -> PolicyS
         priced.append(release)
     elif release:
         unpriced.append(Action.RELEASE_CACHE)
-    if critical and _cooled(state.last_shrink_step, latest, config):
+    # a priced shrink is weighed from the watermark on: waiting for critical would leave it to
+    # the rank's own gate, which checkpoints and stops there; unpriced, only at critical
+    if (critical or view.plan is not None) and _cooled(state.last_shrink_step, latest, config):
         shrink = _shrink_candidate(view, state, config, latest, p, setup, notes)
         if isinstance(shrink, Effect):
             priced.append(shrink)
-        elif shrink:
+        elif shrink and critical:
             unpriced.append(Action.SHRINK_MICRO_BATCH)
 
     chosen = choose(priced, rearm_below)
