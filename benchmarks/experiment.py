@@ -1,9 +1,9 @@
 """The before/after experiment, each fault alone: guard observing vs guard acting.
 
 Runs ``raytrain-guard experiment`` once per row of :data:`CASES` (2 gloo workers, the built-in
-sequence model on a simulated 4 MiB card, DDP, micro-batch 8), then prints one markdown table
-with the figures docs/benchmarks.md records and the targets each row is held to. About 15
-minutes on a 2-core machine::
+sequence model on a simulated 4 MiB card, DDP (FSDP2 for the ``_fsdp`` rows), micro-batch 8),
+then prints one markdown table with the figures docs/benchmarks.md records and the targets each
+row is held to. About 15 minutes on a 2-core machine::
 
     python benchmarks/experiment.py [--out DIR] [--only KIND ...]
 """
@@ -38,11 +38,19 @@ CASES = (
     ("crash", ["crash:rank=1,start=40"], 100,
      "both arms resume at the same step; nothing lost, nothing repeated"),
     ("none", [], 600, "nothing flagged in 600 clean steps"),
+    # under FSDP2: the link delay in the reduce-scatter, the spike split alike on both ranks
+    ("comm_delay_fsdp", ["comm_delay:rank=1,start=40,seconds=0.03"], 100,
+     "FSDP: communication named on rank 1 within 5 steps; act within 2 % of observe"),
+    ("activation_spike_fsdp", ["activation_spike:rank=1,start=30,factor=8,steps=3"], 100,
+     "FSDP: observe fails; act splits on both ranks and finishes, same global batch"),
 )
+#: extra arguments of a case, by name suffix
+EXTRA = {"_fsdp": ["--strategy", "fsdp-full"]}
 
 
 def run_case(name: str, faults: list[str], steps: int, out: str) -> dict:
     argv = ["experiment", "--steps", str(steps), "--out", os.path.join(out, name), "--json"]
+    argv += [a for suffix, extra in EXTRA.items() if name.endswith(suffix) for a in extra]
     for f in faults:
         argv += ["--fault", f]
     buffer = io.StringIO()
