@@ -258,3 +258,21 @@ def test_the_loops_hang_handler_sends_the_record_and_traces_the_verdict():
     loop = _Loop(Broken())
     loop._on_hang(record)                   # fail open: written down all the same
     assert [json.loads(x)["t"] for x in loop._trace.getvalue().splitlines()] == ["hang"]
+
+
+def test_the_experiments_analysis_names_the_hung_rank_by_the_coordinators_rule():
+    from raytrain_guard.experiment.analysis import _hang_detections
+
+    def record(rank, phase, progress, **extra):
+        return {"t": "hang", "_try": 0, "wall": 1010.0, "world_rank": rank, "step": 40,
+                "phase": phase, "phase_for_s": 10.0, "step_for_s": 10.5,
+                "last_progress_wall": progress, "node_id": "n0", "world_size": 2, **extra}
+
+    hangs = [record(0, "backward", 1000.2), record(1, "forward", 1000.0)]
+    (d,) = _hang_detections(hangs, [{"wall": 1015.0}])
+    assert (d["rank"], d["phase"], d["step"]) == (1, "forward", 40)
+    assert "rank 1" in d["reason"] and "hung rank" in d["reason"]
+    assert d["seconds_to_restart"] == pytest.approx(15.5)
+    # a tie names nobody
+    assert _hang_detections([record(0, "forward", 1000.0), record(1, "forward", 1000.01)],
+                            []) == []

@@ -280,25 +280,33 @@ def _decision(d: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: a step's phases in order: the hung rank is the one that stopped earliest in its step
-PHASE_ORDER = {"data": 0, "forward": 1, "backward": 2, "optimizer": 3}
-
-
 def _hang_detections(hangs: Sequence[Mapping[str, Any]], starts: Sequence[Mapping[str, Any]]
                      ) -> list[dict[str, Any]]:
-    """Per attempt, the hung rank: the one that stopped earliest in its step (the others went
-    on until they blocked in the collective that waits for it), the longest there on a tie."""
+    """Per attempt, the hung rank by the coordinator's rule (:func:`raytrain_guard.core.hang.
+    name_hung_rank`) over the watchdog records the ranks wrote down; an attempt whose ranks
+    the rule cannot tell apart (a tie) names none."""
+    from raytrain_guard.core.hang import HangRecord, name_hung_rank
+
     out = []
     by_try: dict[Any, list[Mapping[str, Any]]] = defaultdict(list)
     for h in hangs:
         by_try[h.get("_try")].append(h)
     for group in by_try.values():
-        hung = min(group, key=lambda h: (PHASE_ORDER.get(h.get("phase"), 9),
-                                         -h.get("phase_for_s", 0)))
+        records = {}
+        for h in group:
+            try:
+                records[h["world_rank"]] = (HangRecord.from_dict(h), h)
+            except (KeyError, ValueError):
+                continue                     # a record from before its fields existed
+        verdict = name_hung_rank([r for r, _ in records.values()], waited_s=math.inf)
+        if verdict is None or verdict.world_rank not in records:
+            continue
+        hung = records[verdict.world_rank][1]
         began = hung["wall"] - hung.get("step_for_s", 0.0)
         restart = min((r["wall"] for r in starts if r["wall"] > hung["wall"]), default=None)
-        out.append({"kind": "hang", "rank": hung.get("world_rank"), "cause": "hang",
-                    "step": hung.get("step"), "phase": hung.get("phase"),
+        out.append({"kind": "hang", "rank": verdict.world_rank, "cause": "hang",
+                    "step": verdict.step, "phase": verdict.phase,
                     "seconds_to_detect": hung.get("step_for_s"),
                     "seconds_to_restart": None if restart is None else round(restart - began, 2),
-                    "reason": hung.get("reason")})
+                    "reason": verdict.reason})
     return out
