@@ -45,6 +45,8 @@ def test_observe_fails_on_every_attempt_where_act_finishes_exactly_once(tmp_path
     assert act["completed"] and act["attempts"] == 1 and act["error"] is None
     assert (act["steps"], act["total_steps"]) == (100, 100)      # one epoch: 1600 / 16
     assert act["lost_steps"] == act["samples_lost"] == act["samples_repeated"] == 0
+    # the steps' own pace beats the pace over the whole attempt (start-up, checkpoints)
+    assert act["step_samples_per_s"] > act["samples_per_s"] > 0
     assert act["global_batch"] == observe["global_batch"] == 16 and not act["batch_changes"]
     splits = [d for d in act["decisions"] if d["action"] == "split_micro_batch"]
     assert [(d["step"], d["ranks"]) for d in splits] == [(12, [1]), (13, [1])]

@@ -195,6 +195,9 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     detections += _hang_detections(hangs, starts)
     completed = bool(ends) and launch_error is None
     train_wall = (ends[-1]["wall"] - starts[0]["wall"]) if ends and starts else None
+    # rank 0's steps alone: start-up, checkpoints and restarts left out (the steps' own pace)
+    step_time = sum(r["total_s"] for r in rank0 if r.get("t") == "step")
+    rank0_steps = sum(1 for r in rank0 if r.get("t") == "step")
     return {
         "completed": completed,
         "error": None if completed else (_error_line(errors) or launch_error),
@@ -207,6 +210,8 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
         "train_wall_s": round(train_wall, 2) if train_wall else None,
         "samples_per_s": round(steps_done * micro * accum * world / train_wall, 1)
         if train_wall else None,
+        "step_samples_per_s": round(rank0_steps * micro * accum * world / step_time, 1)
+        if step_time else None,
         "step_p50_s": _round(quantile(totals, 0.5)), "step_p99_s": _round(quantile(totals, 0.99)),
         "data_wait_frac": round(waits / sum(totals), 4) if totals and sum(totals) else None,
         "fault_data_wait_frac": _wait_frac(in_fault),
