@@ -67,3 +67,35 @@ def test_an_fsdp_spike_is_split_alike_on_every_rank(tmp_path):
         for a, b in zip(got["small"]["params"], got["big"]["params"]):
             assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
     assert ranks[0]["small"]["splits"] == ranks[1]["small"]["splits"]   # the same pieces
+
+
+def _slow_data_worker(rank: int, out: str) -> None:
+    from raytrain_guard.core.faults import parse_fault
+    from raytrain_guard.runtime.context import WorkerContext
+    from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+
+    slow = parse_fault("slow_data:rank=1,start=0,seconds=0.005")
+    config = LoopConfig.from_dict({
+        **BUILT_IN, "strategy": "fsdp-full", "micro_batch": 8, "max_steps": 12,
+        "num_workers": 0, "seed": 3, "measure_bandwidth": False, "checkpoint_every_steps": 100,
+        "device_memory_bytes": 1 << 30, "trace_dir": out,
+        "faults": {"inject": [slow.to_dict()], "marker_dir": out}})
+    GuardedTrainLoop(config, reporter=DirectoryReporter(out),
+                     context=WorkerContext(world_rank=rank, world_size=2)).run()
+
+
+def test_the_agreement_wait_is_communication_not_compute(tmp_path):
+    """Rank 1's data is slow; rank 0 waits for it in the per-micro-batch agreement (and the
+    gathers after it). That wait is communication: rank 0's compute stays its own."""
+    import statistics
+    spawn(_slow_data_worker, 2, str(tmp_path))
+    medians = {}
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (tmp_path / f"rank{rank}.jsonl").read_text()
+                .splitlines() if '"t": "step"' in line][3:]
+        medians[rank] = {k: statistics.median(r[k] for r in rows)
+                         for k in ("compute_s", "comm_wait_s", "data_wait_s")}
+    waiting, slow = medians[0], medians[1]
+    assert slow["data_wait_s"] > 0.02                        # 8 samples x 5 ms
+    assert waiting["comm_wait_s"] > slow["data_wait_s"] * 0.7, medians
+    assert waiting["compute_s"] < 2 * slow["compute_s"], medians

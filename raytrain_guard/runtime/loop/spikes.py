@@ -47,7 +47,7 @@ class SpikesMixin:
         wanted, entry = self._priced_pieces(batch, size)
         pieces = wanted
         if self._split_agreement:
-            pieces, smallest = self.control.all_reduce_max(wanted, -size)
+            pieces, smallest = self._agreed_pieces(wanted, size)
             pieces = min(pieces, -smallest)   # no empty piece on any rank
             if pieces > 1 and entry is None:
                 entry = self._split_entry(
@@ -72,6 +72,17 @@ class SpikesMixin:
         bounds = [size * i // pieces for i in range(pieces + 1)]
         return tuple((map_tensors(batch, lambda t, lo=lo, hi=hi: t[lo:hi]), (hi - lo) / size)
                      for lo, hi in itertools.pairwise(bounds))
+
+    def _agreed_pieces(self, wanted: int, size: int) -> tuple[int, int]:
+        """MAX over the ranks of (pieces wanted, -micro-batch size): a collective, so a rank's
+        wait for the others is communication, not the forward it precedes (host clock; on
+        CUDA the host wait lands in the forward's events)."""
+        timer = self.guard.timer
+        start = timer.now()
+        agreed = self.control.all_reduce_max(wanted, -size)
+        if timer.on_host:
+            timer.record_collective(start, timer.now())
+        return agreed
 
     @property
     def _split_agreement(self) -> bool:
