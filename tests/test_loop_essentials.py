@@ -195,3 +195,14 @@ def test_an_elastic_range_needs_a_global_batch_every_size_shares_and_a_restart()
         elastic_loop_config(config, 4, 5, 1)                 # 2 x 3 x 5 = 30: not by 4
     with pytest.raises(InputError, match="max_failures"):
         elastic_loop_config(config, 1, 2, 0)
+    assert elastic_loop_config(config, 1, 2, -1)["global_batch"] == 12    # -1: no limit
+
+
+def test_an_elastic_run_is_planned_in_the_layout_it_takes_on_its_fewest_workers():
+    from raytrain_guard.cluster.launcher import layout_on
+
+    config = {"micro_batch": 8, "grad_accum": 1, "global_batch": 16}
+    assert layout_on(config, 1) == {**config, "micro_batch": 8, "grad_accum": 2}
+    assert layout_on(config, 2) == config
+    plain = {"micro_batch": 8, "grad_accum": 3}
+    assert layout_on(plain, 1) is plain

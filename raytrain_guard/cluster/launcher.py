@@ -321,8 +321,9 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     config = effective_config(config, train_loop_config.get("guard"))
     run_plan = None           # what the coordinator prices its actions with, when we plan here
     if plan is None:
-        # on the fewest workers: each rank's share of sharded state is largest there
-        plan, run_plan = traced_plan(train_loop_config, num_workers=fewest,
+        # on the fewest workers, in the layout the loop takes there: each rank's share of
+        # sharded state, and its accumulation, is largest there
+        plan, run_plan = traced_plan(layout_on(train_loop_config, fewest), num_workers=fewest,
                                      use_gpu=use_gpu, device_memory_bytes=device_memory_bytes,
                                      config=config)
     plan_line = check_plan(plan, force=force, fixes=fixes) if plan is not False else ""
@@ -399,10 +400,11 @@ def elastic_loop_config(train_loop_config: Mapping[str, Any], fewest: int, most:
     (the config's, else micro_batch x grad_accum x ``most``) that every size shares evenly, so
     the run trains the same steps at any size; refused when some size cannot share it, or when
     ``max_failures`` is 0 (Ray Train counts a lost worker as a failure) (pure)."""
-    if max_failures < 1:
+    if max_failures == 0:
         raise InputError("max_failures", "an elastic run restarts at a new size through Ray "
                          "Train's failure handling, and 0 allows no restart", value=max_failures,
-                         fix="pass max_failures >= 1 (one per worker loss to survive)")
+                         fix="pass max_failures >= 1 (one per worker loss to survive), or -1 "
+                             "for no limit")
     global_batch = train_loop_config.get("global_batch") or (
         int(train_loop_config.get("micro_batch", 32))
         * int(train_loop_config.get("grad_accum", 1)) * most)
@@ -413,6 +415,21 @@ def elastic_loop_config(train_loop_config: Mapping[str, Any], fewest: int, most:
                          fix=f"pass train_loop_config['global_batch'] as a multiple of every "
                              f"size from {fewest} to {most}")
     return {**train_loop_config, "global_batch": global_batch}
+
+
+def layout_on(train_loop_config: Mapping[str, Any], workers: int) -> Mapping[str, Any]:
+    """The loop's config with the micro-batch and accumulation the loop lays a
+    ``global_batch`` out in on ``workers`` ranks (:func:`relayout`); unchanged without one, or
+    when it cannot be shared (the loop refuses that itself) (pure)."""
+    from raytrain_guard.runtime.loop.layout import relayout
+
+    global_batch = train_loop_config.get("global_batch")
+    if not global_batch:
+        return train_loop_config
+    layout = relayout(int(global_batch), workers, int(train_loop_config.get("micro_batch", 32)))
+    if layout is None:
+        return train_loop_config
+    return {**train_loop_config, "micro_batch": layout[0], "grad_accum": layout[1]}
 
 
 def with_planned_grad_sync(train_loop_config: Mapping[str, Any], plan: Any) -> Mapping[str, Any]:
