@@ -57,8 +57,9 @@ def _positive_int(text: str) -> int:
 KINDS: Mapping[str, FaultKind] = {
     "comm_delay": FaultKind({"seconds": (_positive_float, None)},
                             "a slow or congested link: the rank's gradient communication waits "
-                            "`seconds` per step (DDP's communication hook; FSDP2's first "
-                            "reduce-scatter)", "communication"),
+                            "`seconds` per step (DDP's communication hook; FSDP2's first timed "
+                            "reduce-scatter: every unit's on gloo, the root's on CUDA)",
+                            "communication"),
     "slow_compute": FaultKind({"factor": (_factor, None)},
                               "a down-clocked GPU: the rank's forward and backward take `factor` "
                               "times as long", "compute"),

@@ -366,7 +366,11 @@ def attach_fsdp_comm_timer(module: Any, timer: StepTimer, *,
     last of the backward, is timed (two events a step), and its tail after the last gradient
     counts, as for DDP (the all-gathers' exposed waits are not measured there).
     ``before_reduce_scatter`` runs before each timed reduce-scatter (the seam of a slow link).
-    A unit that refuses custom collectives (several parameter groups) is left untimed.
+    A unit that refuses custom collectives (several parameter groups) is left untimed. The
+    timed collectives take the place of the unit's own: FSDP2's symmetric-memory and
+    process-group allocation options (``set_symm_mem_for_comm``,
+    ``set_allocate_memory_from_process_group_for_comm``) refuse custom collectives, so a model
+    that needs them is left untimed (do not attach).
     """
     try:
         from torch.distributed.fsdp import FSDPModule

@@ -203,8 +203,12 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
                 logger.warning("rank %d: communication timer not attached", self.rank,
                                exc_info=True)
         elif self.planned.kind == "fsdp2":
-            attach_fsdp_comm_timer(self.planned.module, timer, before_reduce_scatter=(
-                self.fault_runtime.delay_comm if self.fault_runtime is not None else None))
+            try:
+                attach_fsdp_comm_timer(self.planned.module, timer, before_reduce_scatter=(
+                    self.fault_runtime.delay_comm if self.fault_runtime is not None else None))
+            except Exception:
+                logger.warning("rank %d: FSDP2 communication timer not attached", self.rank,
+                               exc_info=True)
         self.metrics = _rank_metrics(self.rank, cfg.guard, self.loader)
 
     def _probe(self) -> Any:

@@ -222,7 +222,11 @@ class WorkerGuard:
                 logger.warning("rank %d: communication timer not attached (a comm hook of "
                                "your own?)", self.rank, exc_info=True)
         elif self.world_size > 1 and _is_fsdp2(module):
-            attach_fsdp_comm_timer(module, self.step_guard.timer)
+            try:
+                attach_fsdp_comm_timer(module, self.step_guard.timer)
+            except Exception:  # fail open: no communication wait figures
+                logger.warning("rank %d: FSDP2 communication timer not attached", self.rank,
+                               exc_info=True)
         self._hooks.append(module.register_forward_hook(self._on_forward))
         return module
 
