@@ -296,7 +296,7 @@ def test_no_repeated_priced_release_on_a_steady_reading_until_its_effect_is_meas
         [Action.RELEASE_CACHE]
 
 
-def test_no_release_for_a_gpu_reading_before_the_workers_registered_on_a_cpu_run():
+def test_a_cpu_runs_gpu_readings_are_not_its_pressure():
     # the node's GPU reads 89 % while no worker of the run is registered with its monitor
     # yet; every rank reports a CPU setup, so no rank holds an allocator cache to release
     from raytrain_guard.core.node_samples import GpuSample
@@ -310,7 +310,13 @@ def test_no_release_for_a_gpu_reading_before_the_workers_registered_on_a_cpu_run
 
     out = _decide(view("cpu"))
     assert out.decisions == ()
-    assert "no cache release: the run is on CPU, where there is no allocator cache" in out.notes
+    assert "GPU readings left out: every rank of the run runs on CPU" in out.notes
+    # a simulated card rehearses a GPU: the node's GPU reading counts, but there is no cache
+    out = _decide(view("simulated"))
+    assert out.decisions == ()
+    assert "no cache release: the run is on a simulated card, where there is no allocator " \
+        "cache" in out.notes
+    assert "GPU readings left out: every rank of the run runs on CPU" not in out.notes
     # a rank not yet known to run on CPU leaves it open: the unpriced release, as before
     (d,) = _decide(view(None)).decisions
     assert d.action is Action.RELEASE_CACHE

@@ -201,6 +201,9 @@ def fsdp_run(ray_instance, tmp_path_factory):
               "micro_batch": MICRO_BATCH, "epochs": 2, "num_workers": 0,
               "strategy": "fsdp-full", "fsdp_grad_sync": "last_micro_batch",
               "measure_bandwidth": False, "checkpoint_every_steps": 10_000,
+              # a simulated card rehearses the GPU the scripted reading is of (a plain CPU
+              # run's ranks report no GPU, and the policy leaves GPU readings out)
+              "device_memory_bytes": FSDP_CARD,
               "trace_dir": str(tmp / "trace"), "faults": SLOW, "guard": GUARD}
     gpu = [[GpuSample(0, int(0.92 * FSDP_CARD), FSDP_CARD)]]      # NVML: 92 %, critical
     summary = launch(config, num_workers=2, run_id="priced_fsdp", namespace=RAY_NAMESPACE,

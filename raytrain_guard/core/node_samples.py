@@ -147,6 +147,10 @@ def _opt_ints(x: Any) -> tuple[int, ...] | None:
     return None if x is None else tuple(int(v) for v in x)
 
 
+#: what a rank may say it runs on: "simulated" is a card simulated on CPU (the experiment's)
+DEVICES = ("cuda", "cpu", "simulated")
+
+
 @dataclass(frozen=True)
 class RunSetup:
     """The batch layout a rank reports running with; the policy's shrink and prefetch input."""
@@ -155,7 +159,8 @@ class RunSetup:
     grad_accum: int | None = None
     prefetch_factor: int | None = None
     # optional, for the policy's predictions (issue 11); None when the rank does not say
-    device: str | None = None             # "cuda" or "cpu": a CPU run has no cache to release
+    device: str | None = None             # "cuda", "cpu" or "simulated" (a card simulated on
+                                          # CPU, rehearsing a GPU): no cache but on "cuda"
     device_index: int | None = None       # the GPU this rank runs on (torch.cuda.current_device)
     allocated_bytes: int | None = None    # torch.cuda.memory_allocated() at the step's end
     reserved_bytes: int | None = None     # torch.cuda.memory_reserved() at the step's end
@@ -163,6 +168,11 @@ class RunSetup:
     num_workers: int | None = None        # DataLoader workers of this rank
     batch_bytes: int | None = None        # host bytes of one batch in flight (pinned copy
                                           # included when pin_memory)
+
+    @property
+    def without_cache(self) -> bool:
+        """Known to hold no allocator cache to release: a CPU rank, or a simulated card."""
+        return self.device in ("cpu", "simulated")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "RunSetup":
@@ -181,8 +191,8 @@ class RunSetup:
                 raise ValueError(f"setup {key} must be an integer >= 0, got {v!r}")
             values[key] = v
         device = d.get("device")
-        if device is not None and device not in ("cuda", "cpu"):
-            raise ValueError(f"setup device must be 'cuda' or 'cpu', got {device!r}")
+        if device is not None and device not in DEVICES:
+            raise ValueError(f"setup device must be one of {', '.join(DEVICES)}, got {device!r}")
         values["device"] = device
         return cls(**values)
 

@@ -204,7 +204,8 @@ def decide(view: ClusterView, state: PolicyState, config: GuardConfig,
 def worst_device_pressure(view: ClusterView, notes: list[str] | None = None
                           ) -> Pressure | None:
     """The highest device memory fraction: each rank's latest StepStats, and the NVML reading
-    of each GPU that holds this run's workers (:func:`run_gpus`; its notes go to ``notes``)."""
+    of each GPU that holds this run's workers (:func:`run_gpus`; its notes go to ``notes``),
+    none when every rank reports running on CPU (no GPU reading is the run's then)."""
     worst: Pressure | None = None
     for rank in view.ranks.values():
         m = rank.memory
@@ -213,6 +214,10 @@ def worst_device_pressure(view: ClusterView, notes: list[str] | None = None
                              f"{short_node_id(rank.node_id)})", m.slope_per_step, m.step,
                              rank.world_rank)
     rank_nodes = {r.node_id for r in view.ranks.values()}
+    if view.ranks and {r.setup.device for r in view.ranks.values()} == {"cpu"}:
+        if notes is not None and any(n.gpus for n in view.nodes.values()):
+            notes.append("GPU readings left out: every rank of the run runs on CPU")
+        return worst
     for node_id in sorted(view.nodes):
         gpus, note = run_gpus(view.nodes[node_id], node_id in rank_nodes)
         if note is not None and notes is not None:
@@ -343,20 +348,25 @@ def _device_memory(view, state, config, at, latest, decisions, notes) -> PolicyS
 
 
 def _setup_of(view: ClusterView, world_rank: int | None) -> RunSetup:
-    """The setup of the rank behind a reading; for a reading no rank is known behind (a GPU
-    before the workers registered with their monitor), the run's when every rank reporting
-    one runs on CPU (no rank holds an allocator cache then), else unknown."""
+    """The setup of the rank behind a reading. Behind a GPU reading no rank is known yet (the
+    workers not registered with their monitor): the run's device when every reporting rank
+    says one (a simulated run has no cache to release then either), else unknown."""
     if world_rank in view.ranks:
         return view.ranks[world_rank].setup
     devices = {r.setup.device for r in view.ranks.values()}
-    return RunSetup(device="cpu") if devices == {"cpu"} else RunSetup()
+    return RunSetup(device=devices.pop()) if len(devices) == 1 else RunSetup()
+
+
+def _where(setup: RunSetup) -> str:
+    return "a simulated card" if setup.device == "simulated" else "CPU"
 
 
 def _release_candidate(view, state, config, latest, p, setup, notes) -> Effect | bool:
     """The cache release, priced from the rank's allocator figures; True: allowed unpriced
     (no figures reported: once per crossing of the watermark); False: not a candidate."""
-    if setup.device == "cpu":
-        notes.append("no cache release: the run is on CPU, where there is no allocator cache")
+    if setup.without_cache:
+        notes.append(f"no cache release: the run is on {_where(setup)}, where there is no "
+                     f"allocator cache")
         return False
     if _missed_key(Action.RELEASE_CACHE, Cause.DEVICE_MEMORY) in state.missed:
         return False
@@ -383,7 +393,7 @@ def _shrink_candidate(view, state, config, latest, p, setup, notes) -> Effect | 
     where there is no cache to release); False: not a candidate."""
     if _missed_key(Action.SHRINK_MICRO_BATCH, Cause.DEVICE_MEMORY) in state.missed:
         return False
-    if view.plan is None and setup.device != "cpu" and not (
+    if view.plan is None and not setup.without_cache and not (
             state.last_release_step is not None and
             _cooled(state.last_release_step, latest, config)):
         return False            # unpriced: today's ladder, a cache release judged first
@@ -419,7 +429,8 @@ def _act(state, decisions, at, e: Effect, p: Pressure, config) -> PolicyState:
     decisions.append(Decision(
         Action.SHRINK_MICRO_BATCH,
         f"shrink micro-batch {mb}->{e.params['micro_batch']} and raise gradient accumulation "
-        f"{ga}->{e.params['grad_accum']}: {p.where} at {p.frac:.0%} of device memory (critical "
+        f"{ga}->{e.params['grad_accum']}: {p.where} at {p.frac:.0%} of device memory "
+        f"(watermark {config.memory_watermark_frac:.0%}, critical "
         f"{config.memory_critical_frac:.0%}); predicted {e.memory_frac_after:.1%} at about "
         f"{e.cost_frac:.0%} of throughput: {e.basis}; the global batch is unchanged",
         at, Cause.DEVICE_MEMORY, "cluster", dict(e.params), predicted=e.to_dict()))
@@ -438,7 +449,7 @@ def _act_unpriced(view, state, decisions, at, action, p, config, setup) -> Polic
         return dataclasses.replace(state, last_release_step=at, release_armed=False)
     mb, ga = min((v.setup.micro_batch, v.setup.grad_accum) for v in view.ranks.values()
                  if v.setup.micro_batch is not None and v.setup.grad_accum is not None)
-    after = "on CPU (no cache to release)" if setup.device == "cpu" else \
+    after = f"on {_where(setup)} (no cache to release)" if setup.without_cache else \
         "still, after a cache release,"
     decisions.append(Decision(
         Action.SHRINK_MICRO_BATCH,

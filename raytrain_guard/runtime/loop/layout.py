@@ -282,6 +282,6 @@ class LayoutMixin:
                          device_total_bytes=torch.cuda.get_device_properties(index).total_memory)
         elif self.sim_device is not None:   # a simulated card: no cache, nothing to release
             used = self.sim_device.base_bytes
-            setup.update(device="cpu", allocated_bytes=used, reserved_bytes=used,
+            setup.update(device="simulated", allocated_bytes=used, reserved_bytes=used,
                          device_total_bytes=self.sim_device.capacity_bytes)
         return setup
