@@ -148,6 +148,32 @@ def test_a_resume_that_cannot_keep_the_global_batch_is_refused_unless_allowed(tm
     assert "changes the global batch from 16 to 12" in changed.batch_changes[-1]["reason"]
 
 
+def test_resizes_back_and_forth_do_not_ratchet_the_micro_batch_down(tmp_path):
+    """Global batch 24, config micro-batch 8: on 2 ranks 6 x 2 (8 does not divide 12), on 3
+    ranks 8 x 1 again (from the config's 8, not the checkpoint's 6), unless a shrink chose a
+    smaller one for memory."""
+    from raytrain_guard.runtime.context import WorkerContext
+
+    def on(world, changes=()):
+        cfg = LoopConfig.from_dict({**BASE, "dataset_factory": toy.make_dataset,
+                                    "micro_batch": 8})
+        made = GuardedTrainLoop(cfg, context=WorkerContext(world_rank=0, world_size=world),
+                                reporter=DirectoryReporter(str(tmp_path)))
+        made._build()
+        made.batch_changes = [dict(c) for c in changes]
+        return made
+
+    two = on(2)
+    two._resume_on_other_world(8, 1, 3)                    # 24: from 3 ranks to 2
+    assert (two.micro_batch, two.grad_accum) == (6, 2)
+    three = on(3, two.batch_changes)
+    three._resume_on_other_world(6, 2, 2)                  # and back to 3
+    assert (three.micro_batch, three.grad_accum) == (8, 1)
+    shrunk = on(3, [{"decision_id": 7, "applied": True, "micro_batch": 4, "grad_accum": 2}])
+    shrunk._resume_on_other_world(4, 3, 2)                 # a shrink to 4 holds
+    assert (shrunk.micro_batch, shrunk.grad_accum) == (4, 2)
+
+
 def test_the_loop_runs_the_fsdp_grad_sync_its_plan_chose_unless_told():
     import types
 

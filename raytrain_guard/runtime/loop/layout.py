@@ -104,7 +104,7 @@ class LayoutMixin:
 
     def _resume_on_other_world(self, mb: int, ga: int, saved_world: int) -> None:
         global_batch = mb * ga * saved_world
-        layout = relayout(global_batch, self.world_size, mb)
+        layout = relayout(global_batch, self.world_size, self._micro_batch_cap())
         changed = layout is None
         if changed:
             if not self.config.allow_global_batch_change:
@@ -134,6 +134,15 @@ class LayoutMixin:
         self.total_steps = self.steps_per_epoch * self.config.epochs
         if self.config.max_steps is not None:
             self.total_steps = min(self.total_steps, self.config.max_steps)
+
+    def _micro_batch_cap(self) -> int:
+        """The largest micro-batch a new layout may take: the config's (the plan's fit), or
+        the smallest an applied shrink chose (memory asked for it); not the checkpoint's, which
+        a world size that shares the global batch unevenly may have lowered (8 -> 6 -> 4 over
+        resizes between 2 and 3 workers of a global batch of 24)."""
+        shrunk = [c["micro_batch"] for c in self.batch_changes
+                  if c.get("applied") and "decision_id" in c and c.get("micro_batch")]
+        return min([self.config.micro_batch, *shrunk])
 
     def _shrink(self, decision: Decision) -> None:
         """Apply a SHRINK_MICRO_BATCH at this boundary, or refuse it with the reason (logged and
