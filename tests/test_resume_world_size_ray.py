@@ -5,8 +5,11 @@ whatever ScalingConfig the second trainer has.
 48 samples, global batch 24 (micro-batch 4 x accumulation 3 x 2 workers): 2 steps an epoch.
 The 2-worker run stops after step 1 (mid-epoch); one copy of it resumes on 1 worker (4 x 6),
 another on 3 workers (4 x 2); both finish 2 epochs in 4 steps, with every sample of each epoch
-consumed exactly once by the lineage. (A world size that cannot keep the global batch is
-refused: tests/test_loop_essentials.py.)
+consumed exactly once by the lineage. Under ZeRO-1, whose optimizer state each rank saves for
+the parameters it owns and a resume reads back under the new partition (on 1 worker into a
+plain optimizer); DDP resumes on another size in tests/test_elastic_ray.py, and every
+strategy's state is held exact on gloo ranks in tests/test_checkpoint_sharded_gloo.py. (A
+world size that cannot keep the global batch is refused: tests/test_loop_essentials.py.)
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.ray
 BASE = dict(model_factory=toy.make_model, dataset_factory=functools.partial(toy.make_dataset, 48),
             optimizer_factory=toy.make_optimizer, loss_fn=toy.loss_fn, micro_batch=4,
             grad_accum=3, epochs=2, checkpoint_every_steps=100, num_workers=0, seed=5,
-            measure_bandwidth=False)
+            measure_bandwidth=False, strategy="zero1")
 
 
 def _fit(storage: Path, workers: int, config: dict, *, max_failures: int = 0):
