@@ -60,7 +60,8 @@ def _ids_by_epoch(audit: Path) -> dict[int, list[int]]:
 def first_run(ray_instance, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("first")
     result = _fit(tmp / "storage", 2, {**BASE, "max_steps": 1, "audit_dir": str(tmp / "audit")})
-    assert json.loads(result.metrics["results"])["step"] == 1
+    results = json.loads(result.metrics["results"])
+    assert results["step"] == 1 and results["model"]["strategy"] == "zero1", results["model"]
     return tmp
 
 
