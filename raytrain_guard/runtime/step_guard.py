@@ -20,6 +20,7 @@ from raytrain_guard.core.gate import StepGate
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import InputError
 from raytrain_guard.runtime.cache_release import release_cache
+from raytrain_guard.runtime.fail_open import FailOpen
 from raytrain_guard.runtime.memory_reads import MemoryReads
 from raytrain_guard.runtime.timing import StepTimer
 
@@ -64,7 +65,7 @@ class StepGuard:
         self._step = 0                 # the step now running (the next one after end_step)
         self._stats: deque[StepStats] = deque(maxlen=max(config.step_window,
                                                          config.report_every_steps))
-        self._failed: set[str] = set()
+        self._fail_open = FailOpen(logger, lambda: f"rank {self.world_rank} step {self._step}")
         #: whether a loader opens the steps and times their data phase (:meth:`attach_loader`):
         #: the loop then calls neither :meth:`begin_step` nor ``mark("data")``
         self.loader_attached = False
@@ -318,19 +319,11 @@ class StepGuard:
 
     def _guarded(self, part: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run a guard part; on failure log once per part and return None (fail open)."""
-        try:
-            return fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - the guard fails open
-            self._failed_once(part)
-            return None
+        return self._fail_open.call(part, fn, *args, **kwargs)
 
     def _failed_once(self, part: str) -> None:
         """Log the exception being handled, once per part."""
-        if part not in self._failed:
-            self._failed.add(part)
-            logger.warning("rank %d step %d: guard part %r failed; training goes on "
-                           "(logged once)", self.world_rank, self._step, part,
-                           exc_info=True)  # noqa: LOG014 - called from except blocks only
+        self._fail_open.note(part)
 
 
 class LoaderSteps:

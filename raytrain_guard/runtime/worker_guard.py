@@ -45,6 +45,7 @@ from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision, due_at
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.runtime.dropin_loader import DropInDataLoader, default_collate, unguardable
+from raytrain_guard.runtime.fail_open import FailOpen
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ class WorkerGuard:
         self._checkpoint_now = False
         self._armed = False
         self._hooks: list[Any] = []
-        self._failed: set[str] = set()
+        self._fail_open = FailOpen(
+            logger, lambda: f"rank {getattr(self, 'rank', '?')} step {self.step}")
         self._built = False
         self._closed = False
         self._last_release_s: float | None = None
@@ -516,18 +518,10 @@ class WorkerGuard:
 
     # -- fail open -------------------------------------------------------------------------------
     def _safe(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except Exception:  # noqa: BLE001 - the guard fails open
-            self._failed_once(part)
-            return None
+        return self._fail_open.call(part, fn, *args)
 
     def _failed_once(self, part: str) -> None:
-        if part not in self._failed:
-            self._failed.add(part)
-            logger.warning("rank %s step %d: guard part %r failed; training goes on (logged "
-                           "once)", getattr(self, "rank", "?"), self.step, part,
-                           exc_info=True)  # noqa: LOG014 - called from except blocks only
+        self._fail_open.note(part)
 
 
 def combine_summaries(per_rank: list[Mapping[str, Any]], *,
