@@ -174,3 +174,11 @@ def test_the_card_counts_this_ranks_fsdp2_shards(tmp_path):
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())["static"]
         assert whole * 4 // 2 <= got <= whole * 4 // 2 + 4 * 8, got
+
+
+def test_without_split_spikes_the_spike_overflows_the_card_even_when_acting(tmp_path):
+    loop, run = _run(tmp_path, "nosplit", split_spikes=False)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated card of rank 0"):
+        run()
+    assert loop.step == 6
+    assert not [d for d in loop.decisions if d["action"] == "split_micro_batch"]

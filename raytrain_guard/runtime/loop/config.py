@@ -51,6 +51,9 @@ class LoopConfig:
     global_batch: int | None = None              # samples per optimizer step over all ranks:
                                                  # the layout follows the world size (elastic)
     act: bool = True                             # False: measure and decide, apply nothing
+    split_spikes: bool = True                    # price each micro-batch on the card and run
+                                                 # an oversized one in pieces (FSDP: ranks
+                                                 # agree per micro-batch, one tiny allreduce)
     restart_after_stop: bool = False             # a guard stop checkpoints, then restarts
     device_memory_bytes: int | None = None       # a simulated card of this size on CPU
     trace_dir: str | None = None                 # per-rank JSON lines of steps and events

@@ -59,7 +59,7 @@ class RehearsalMixin:
                 self.sim_device = SimulatedDevice(cfg.device_memory_bytes, world_rank=self.rank)
         if self.sim_device is not None:
             self.card = self.sim_device
-        elif device.type == "cuda":
+        elif device.type == "cuda" and cfg.split_spikes:
             from raytrain_guard.runtime.cuda_card import CudaCard
             self.card = CudaCard(device, cfg.device_memory_bytes)
         specs = [FaultSpec.from_dict(d) for d in cfg.faults.get("inject", ())]

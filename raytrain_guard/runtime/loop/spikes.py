@@ -88,7 +88,7 @@ class SpikesMixin:
     def _split_agreement(self) -> bool:
         """Whether the ranks agree on each micro-batch's pieces: under FSDP, acting, with more
         than one rank. The same answer on every rank (config and world size only)."""
-        return (self.config.act and self.world_size > 1
+        return (self.config.act and self.config.split_spikes and self.world_size > 1
                 and self.config.strategy not in (Strategy.DDP, Strategy.ZERO1))
 
     def _priced_pieces(self, batch: Any, size: int) -> tuple[int, dict | None]:

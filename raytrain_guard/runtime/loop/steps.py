@@ -136,7 +136,8 @@ class StepsMixin:
         (:meth:`_pieces`), each weighted by its samples, so the gradient and the global batch
         are those of the whole micro-batch."""
         guard, faults, card = self.guard, self.fault_runtime, self.card
-        pieces = self._pieces(batch) if card is not None else ((batch, 1.0),)
+        pieces = self._pieces(batch) if card is not None and self.config.split_spikes \
+            else ((batch, 1.0),)
         total = None
         for i, (piece, share) in enumerate(pieces):
             started = time.perf_counter() if faults is not None else 0.0
