@@ -99,3 +99,21 @@ def test_only_rank_0_reads_and_every_rank_resumes_exactly(tmp_path):
                                      "no_model_in_head": True}, (rank, strategy, got[strategy])
         # rank 0 cannot read: the same error on both ranks, none left waiting
         assert got["bad_file"].startswith("checkpoint: has no train_state.pt"), got["bad_file"]
+
+
+class _Payload:
+    """Stands for anything a pickle could run on load."""
+
+
+def test_a_one_file_checkpoint_loads_safely_or_not_at_all(tmp_path):
+    from raytrain_guard.errors import InputError
+    from raytrain_guard.runtime.checkpoint import FORMAT_VERSION, STATE_FILE, read_train_state
+
+    torch.save({"format_version": FORMAT_VERSION, "step": 1, "x": _Payload()},
+               tmp_path / STATE_FILE)
+    with pytest.raises(InputError, match="objects a safe load refuses"):
+        read_train_state(tmp_path)
+    torch.save({"format_version": FORMAT_VERSION, "step": 1,
+                "rng": [{"python": (3, (1, 2), None)}]},
+               tmp_path / STATE_FILE)
+    assert read_train_state(tmp_path)["step"] == 1

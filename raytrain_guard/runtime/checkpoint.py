@@ -11,8 +11,8 @@ gathers the whole model or optimizer, and every part of a sharded checkpoint loa
 
 The one-file functions (:func:`gather_train_state` to rank 0, :func:`write_train_state`,
 :func:`read_train_state`, :func:`load_train_state` with its broadcast from rank 0) make a
-portable, unsharded copy of a run, e.g. to hand a model on; :func:`gather_objects` is the
-end-of-run results' gather.
+portable, unsharded copy of a run, e.g. to hand a model on (it loads with ``weights_only=True``
+too); the loop does not use them. :func:`gather_objects` is the end-of-run results' gather.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from raytrain_guard.errors import InputError
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2            # 2: RNG states stored loadable with weights_only=True
 
 
 def rng_state() -> dict[str, Any]:
@@ -96,7 +96,7 @@ def gather_train_state(planned: Any, optimizer: Any, *, step: int,
         return None
     return {"format_version": FORMAT_VERSION, "step": int(step), "world_size": world_size,
             "strategy": planned.strategy.value, "model": model_state, "optimizer": optim_state,
-            "loader": dict(loader_state), "rng": [g["rng"] for g in gathered],
+            "loader": dict(loader_state), "rng": [_portable(g["rng"]) for g in gathered],
             "guard": [g["guard"] for g in gathered], "losses": [g["loss"] for g in gathered],
             "extra": dict(extra or {})}
 
@@ -126,13 +126,22 @@ def write_train_state(directory: str | os.PathLike[str], state: Mapping[str, Any
 
 
 def read_train_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read the state written by :func:`write_train_state`."""
+    """Read the state written by :func:`write_train_state` (``weights_only=True``: tensors,
+    numbers, strings and their containers; nothing in the file runs code)."""
+    import pickle
+
     import torch
     path = os.path.join(directory, STATE_FILE)
     if not os.path.exists(path):
         raise InputError("checkpoint", f"has no {STATE_FILE}", value=str(directory),
                          fix="resume only from checkpoints written by the raytrain_guard loop")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise InputError("checkpoint", f"{STATE_FILE} holds objects a safe load refuses "
+                         f"({str(exc).splitlines()[0][:120]})", value=str(directory),
+                         fix=f"write it with this version of raytrain_guard "
+                             f"({FORMAT_VERSION})") from None
     if state.get("format_version") != FORMAT_VERSION:
         raise InputError("checkpoint", "unknown format version",
                          value=state.get("format_version"),
@@ -161,7 +170,7 @@ def restore_train_state(planned: Any, optimizer: Any, state: Mapping[str, Any], 
         set_optimizer_state_dict(planned.module, optimizer, state["optimizer"], options=options)
     rngs = state.get("rng") or []
     if world_rank < len(rngs):
-        set_rng_state(rngs[world_rank])
+        set_rng_state(_native(rngs[world_rank]))
     logger.info("rank %d: restored step %d (loader %s)", world_rank, state["step"],
                 state.get("loader"))
 
@@ -211,7 +220,7 @@ def load_train_state(directory: str | os.PathLike[str] | None, planned: Any, opt
                                  options=options)
     rngs = head.get("rng") or []
     if world_rank < len(rngs):
-        set_rng_state(rngs[world_rank])
+        set_rng_state(_native(rngs[world_rank]))
     logger.info("rank %d: restored step %d (loader %s; %s)", world_rank, head["step"],
                 head.get("loader"), "read here" if dist.get_rank() == 0 else "from rank 0")
     return head
