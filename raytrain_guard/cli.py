@@ -225,8 +225,8 @@ def format_plan(d: dict[str, Any]) -> str:
     rows.append(("model", (f"{_format_count(d['num_params'])} parameters "
                            f"({_format_count(d['num_trainable_params'])} trainable), "
                            f"activations {d['activations_source']}")))
-    rows.append(("setup", f"{d['strategy']}, {d['precision']}, {d['optimizer']}, "
-                          f"{d['world_size']} ranks ({d['gpus_per_node']} per node)"))
+    rows.append(("setup", (f"{d['strategy']}, {d['precision']}, {d['optimizer']}, "
+                           f"{d['world_size']} ranks ({d['gpus_per_node']} per node)")))
     for key in ("params", "buffers", "grads", "optimizer", "activations", "temp", "comm",
                 "reserve"):
         if key in d["breakdown"]:
@@ -236,19 +236,19 @@ def format_plan(d: dict[str, Any]) -> str:
     largest = d["max_micro_batch"]
     largest_txt = "no limit derived" if largest is None else str(largest)
     rows.append(("micro_batch", f"{d['micro_batch']} (largest that fits: {largest_txt})"))
-    rows.append(("grad_accum", f"{d['grad_accum']} -> global batch {d['global_batch']} = "
-                               f"{d['micro_batch']} x {d['grad_accum']} x {d['world_size']}"))
+    rows.append(("grad_accum", (f"{d['grad_accum']} -> global batch {d['global_batch']} = "
+                               f"{d['micro_batch']} x {d['grad_accum']} x {d['world_size']}")))
     options = sorted(d.get("fsdp_grad_sync_options") or (), key=lambda o: not o["chosen"])
     for option in options:
         largest_mb = option["max_micro_batch"]
         mark = "chosen" if option["chosen"] else "other"
         rows.append(("fsdp_grad_sync" if option["chosen"] else "",
-                     f"{option['fsdp_grad_sync']} ({mark}): largest micro-batch "
+                     (f"{option['fsdp_grad_sync']} ({mark}): largest micro-batch "
                      f"{'no limit' if largest_mb is None else largest_mb}, "
                      f"{format_bytes(option['total_bytes'])} at {option['micro_batch']} x "
                      f"{option['grad_accum']} (grads {format_bytes(option['grads_bytes'])}), "
                      f"{format_bytes(option['comm_bytes_per_step'])} through the collectives "
-                     f"per step"))
+                     f"per step")))
     if d["bucket"] is not None:
         rows.append(("bucket_cap_mb", d["bucket"]["reason"]))
     elif d["world_size"] == 1 and d["strategy"] in ("ddp", "zero1"):
@@ -258,8 +258,8 @@ def format_plan(d: dict[str, Any]) -> str:
         rows.append(("bucket_cap_mb", "n/a"))
     loader = d["dataloader"]
     if loader is not None:
-        rows.append(("DataLoader", f"num_workers {loader['num_workers']}, prefetch_factor "
-                                   f"{loader['prefetch_factor']}: {loader['reason']}"))
+        rows.append(("DataLoader", (f"num_workers {loader['num_workers']}, prefetch_factor "
+                                   f"{loader['prefetch_factor']}: {loader['reason']}")))
     else:
         rows.append(("DataLoader", "not sized"))
     width = max(len(k) for k, _ in rows) + 2
@@ -331,8 +331,8 @@ def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
         _import_path()
         traced = trace_model(args.model, args.sample, loss=args.loss,
                              precision=setup.precision, optimizer=setup.optimizer)
-        notes = (f"traced {args.model} in {traced.trace_s:.1f} s ({traced.mode} device), "
-                 f"loss: {traced.loss}",) + traced.warnings
+        notes = ((f"traced {args.model} in {traced.trace_s:.1f} s ({traced.mode} device), "
+                 f"loss: {traced.loss}"),) + traced.warnings
         return traced.model_stats, traced.activations, notes
     missing = [f"--{n.replace('_', '-')}" for n, v in zip(
         ("layers", "hidden", "heads", "seq_len", "vocab"), shape_flags) if v is None]
@@ -382,10 +382,10 @@ def _unit_warnings(args, model, setup) -> tuple[str, ...]:
         return ()
     from raytrain_guard.core.memory_model import DEFAULT_FSDP_UNIT_FRAC
 
-    return (f"FSDP unit size unknown (--params alone): assumed the largest unit holds "
+    return ((f"FSDP unit size unknown (--params alone): assumed the largest unit holds "
             f"1/{round(1 / DEFAULT_FSDP_UNIT_FRAC)} of the parameters "
             f"({_format_count(model.largest_unit_params)}); give --fsdp-unit-params N, or the "
-            f"shape (--layers ...)",)
+            f"shape (--layers ...)"),)
 
 
 def _data_source(args, config) -> tuple[int | None, float | None, bool, tuple[str, ...]]:

@@ -86,18 +86,12 @@ def gather_train_state(planned: Any, optimizer: Any, *, step: int,
         optim_state = optimizer.state_dict() if rank == 0 else None
     else:
         optim_state = get_optimizer_state_dict(planned.module, optimizer, options=options)
-    per_rank = {"rng": rng_state(), "guard": dict(guard_state or {}), "loss": loss}
-    if distributed:
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, per_rank)
-    else:
-        gathered = [per_rank]
+    ranks = _rank_states(guard_state, loss)
     if rank != 0:
         return None
     return {"format_version": FORMAT_VERSION, "step": int(step), "world_size": world_size,
             "strategy": planned.strategy.value, "model": model_state, "optimizer": optim_state,
-            "loader": dict(loader_state), "rng": [_portable(g["rng"]) for g in gathered],
-            "guard": [g["guard"] for g in gathered], "losses": [g["loss"] for g in gathered],
+            "loader": dict(loader_state), **ranks,
             "extra": dict(extra or {})}
 
 
@@ -112,6 +106,16 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _rank_states(guard_state: Mapping[str, Any] | None, loss: float | None
+                 ) -> dict[str, list[Any]]:
+    """Every rank's RNG states (loadable with ``weights_only=True``), gate state and loss, in
+    rank order: one ``all_gather_object`` (a collective: every rank calls it)."""
+    gathered = gather_objects({"rng": _portable(rng_state()), "guard": dict(guard_state or {}),
+                               "loss": loss})
+    return {"rng": [g["rng"] for g in gathered], "guard": [g["guard"] for g in gathered],
+            "losses": [g["loss"] for g in gathered]}
 
 
 def write_train_state(directory: str | os.PathLike[str], state: Mapping[str, Any]) -> str:
@@ -280,13 +284,10 @@ def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
             options=StateDictOptions(flatten_optimizer_state_dict=True))
     os.makedirs(directory, exist_ok=True)
     dcp.save(state, checkpoint_id=str(directory), no_dist=not distributed)
-    per_rank = {"rng": _portable(rng_state()), "guard": dict(guard_state or {}), "loss": loss}
-    gathered = gather_objects(per_rank)
     meta = {"format_version": SHARDED_FORMAT_VERSION, "step": int(step),
             "world_size": world_size, "strategy": planned.strategy.value,
-            "optimizer_layout": OPTIMIZER_LAYOUT,
-            "loader": dict(loader_state), "rng": [g["rng"] for g in gathered],
-            "guard": [g["guard"] for g in gathered], "losses": [g["loss"] for g in gathered],
+            "optimizer_layout": OPTIMIZER_LAYOUT, "loader": dict(loader_state),
+            **_rank_states(guard_state, loss),
             "extra": dict(extra or {})}
     if rank == 0:
         tmp = os.path.join(directory, META_FILE + ".tmp")
