@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.errors import GuardError, InputError, PlanInputError
+from raytrain_guard.errors import GuardError, InputError, PlanInputError, check_int
 from raytrain_guard.units import MiB, TiB, format_bytes, parse_bytes, parse_count
 
 log = logging.getLogger(__name__)
@@ -458,19 +458,13 @@ def _config(args) -> GuardConfig:
 
 
 def _positive_int(text, flag: str, default: Any = ...) -> Any:
+    """A flag's text as an integer >= 1; ``default`` when the flag is absent (none: required)."""
     if text is None:
         if default is ...:
             raise PlanInputError(flag, "is required", fix=f"pass {flag} N")
         return default
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise PlanInputError(flag, "not a whole number", value=text,
-                             fix=f"pass {flag} as a positive integer, e.g. {flag} 8") from None
-    if value < 1:
-        raise PlanInputError(flag, "must be at least 1", value=text,
-                             fix=f"pass {flag} as a positive integer, e.g. {flag} 8")
-    return value
+    return check_int(flag, text, at_least=1, parse=True, error=PlanInputError,
+                     fix=f"pass {flag} as a positive integer, e.g. {flag} 8")
 
 
 def _size(text, flag: str) -> int | None:

@@ -48,10 +48,20 @@ class TraceError(PlanInputError):
 
 
 def check_int(field: str, value: object, *, at_least: int = 0, fix: str = "",
-              error: type[InputError] = InputError) -> int:
+              error: type[InputError] = InputError, parse: bool = False) -> int:
     """``value`` if it is an integer >= ``at_least`` (a bool is not), else ``error`` naming
-    ``field``: the package's one integer check for user input."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < at_least:
+    ``field``, the value as given and ``fix``: the package's one integer check for user input.
+
+    ``parse``: ``value`` may be text (a CLI flag, a ``key=value`` of a spec); a whole number
+    written in it (``"8"``, ``" 8 "``) counts as that number, other text is refused as any
+    non-integer is."""
+    number = value
+    if parse and isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            pass   # not a whole number: refused below, with the text as given
+    if isinstance(number, bool) or not isinstance(number, int) or number < at_least:
         raise error(field, f"must be an integer >= {at_least}", value=value,
                     fix=fix or f"set {field} to an integer >= {at_least}")
-    return value
+    return number

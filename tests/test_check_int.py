@@ -29,3 +29,18 @@ def test_the_error_class_and_default_fix_follow_the_caller():
     assert err.value.fix == "set --workers to an integer >= 1"
     again = pickle.loads(pickle.dumps(err.value))       # crosses actor boundaries
     assert type(again) is PlanInputError and str(again) == str(err.value)
+
+
+@pytest.mark.parametrize("text, want", [("8", 8), (" 8 ", 8), (3, 3)])
+def test_text_parsers_get_the_whole_number_written(text, want):
+    assert check_int("--workers", text, at_least=1, parse=True) == want
+
+
+@pytest.mark.parametrize("text", ["0", "1.5", "eight", "", True])
+def test_text_that_is_no_integer_in_range_is_refused_in_the_same_words(text):
+    # the wording is check_int's, the value shown is the text as the user wrote it
+    with pytest.raises(PlanInputError) as err:
+        check_int("--workers", text, at_least=1, parse=True, error=PlanInputError,
+                  fix="pass --workers as a positive integer, e.g. --workers 8")
+    assert str(err.value) == (f"--workers: must be an integer >= 1 (got {text!r}); pass "
+                              "--workers as a positive integer, e.g. --workers 8")

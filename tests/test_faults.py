@@ -39,6 +39,10 @@ def test_round_trip_through_a_dict():
     ("crash:rank=1,ranks=0+1,start=2", "both rank and ranks"),
     ("crash:rank=3,start=2", "rank out of range"),
     ("memory_growth:rank=0,start=1,per_step=lots", "per_step=lots is not valid"),
+    ("crash:rank=1,start=-2", "crash: start=-2 is not valid (must be an integer >= 0)"),
+    ("crash:rank=1,start=2,stop=x", "crash: stop=x is not valid (must be an integer >= 0)"),
+    ("activation_spike:rank=0,start=3,factor=8,steps=0",
+     "activation_spike: steps=0 is not valid (must be an integer >= 1)"),
 ])
 def test_a_bad_spec_is_one_line_naming_the_kind_or_key_and_the_fix(spec, names):
     with pytest.raises(InputError) as err:

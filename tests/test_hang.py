@@ -98,6 +98,10 @@ def test_no_records_no_verdict_and_a_bad_record_names_its_field():
         HangRecord.from_dict({"world_rank": 0, "step": 1, "phase": "forward",
                               "phase_for_s": float("nan"), "step_for_s": 1.0,
                               "last_progress_wall": WALL})
+    with pytest.raises(ValueError, match=r"hang record step: must be an integer >= 0 \(got -1"):
+        HangRecord.from_dict({"world_rank": 0, "step": -1, "phase": "forward",
+                              "phase_for_s": 1.0, "step_for_s": 1.0,
+                              "last_progress_wall": WALL})
 
 
 # -- the coordinator (plain class) -------------------------------------------------------------

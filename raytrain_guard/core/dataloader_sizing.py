@@ -18,11 +18,10 @@ The planner calls it before launch; the worker runtime calls it again with measu
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.errors import PlanInputError
+from raytrain_guard.errors import PlanInputError, check_int
 from raytrain_guard.units import format_bytes
 
 
@@ -41,12 +40,6 @@ class DataLoaderPlan:
         return {"num_workers": self.num_workers, "prefetch_factor": self.prefetch_factor,
                 "host_bytes": self.host_bytes, "budget_bytes": self.budget_bytes,
                 "reason": self.reason, "warnings": list(self.warnings)}
-
-
-def _positive(name: str, value: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PlanInputError(name, "must be a positive integer", value=value, fix=fix)
-    return value
 
 
 def host_budget_bytes(host_memory_bytes: int, gpus_per_node: int, config: GuardConfig) -> int:
@@ -79,17 +72,18 @@ def size_dataloader(*, batch_bytes: int, host_memory_bytes: int, gpus_per_node: 
     request, e.g. a SET_PREFETCH decision): the prefetch is lowered to it, never raised. A
     given setting over the budget is kept and warned about, not refused.
     """
-    _positive("batch_bytes", batch_bytes, "measure one batch (--sample) or give --batch-bytes")
-    _positive("host_memory_bytes", host_memory_bytes, "give the node's RAM, e.g. --host-mem 512GiB")
-    _positive("gpus_per_node", gpus_per_node, "give the GPUs (training processes) per node")
-    _positive("cpus_per_node", cpus_per_node, "give the node's CPU cores")
-    if num_workers is not None and (isinstance(num_workers, bool)
-                                    or not isinstance(num_workers, int) or num_workers < 0):
-        raise PlanInputError("num_workers", "must be an integer >= 0", value=num_workers,
-                             fix="use None to let the guard size it")
+    for name, value, fix in (
+            ("batch_bytes", batch_bytes, "measure one batch (--sample) or give --batch-bytes"),
+            ("host_memory_bytes", host_memory_bytes, "give the node's RAM, e.g. --host-mem 512GiB"),
+            ("gpus_per_node", gpus_per_node, "give the GPUs (training processes) per node"),
+            ("cpus_per_node", cpus_per_node, "give the node's CPU cores")):
+        check_int(name, value, at_least=1, fix=fix, error=PlanInputError)
+    if num_workers is not None:
+        check_int("num_workers", num_workers, fix="use None to let the guard size it",
+                  error=PlanInputError)
     for name, value in (("prefetch_factor", prefetch_factor), ("prefetch_cap", prefetch_cap)):
         if value is not None:
-            _positive(name, value, "use 1 or more, or None")
+            check_int(name, value, at_least=1, fix="use 1 or more, or None", error=PlanInputError)
     warnings: list[str] = []
     budget = host_budget_bytes(host_memory_bytes, gpus_per_node, config)
     per_batch = batch_bytes * (2 if pin_memory else 1)

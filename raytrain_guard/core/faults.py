@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain_guard.errors import InputError
+from raytrain_guard.errors import InputError, check_int
 from raytrain_guard.units import parse_bytes
 
 
@@ -48,10 +48,7 @@ def _size(text: str) -> int:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError("must be >= 1")
-    return value
+    return check_int("value", text, at_least=1, parse=True)   # parse_fault names the key
 
 
 KINDS: Mapping[str, FaultKind] = {
@@ -153,8 +150,11 @@ def parse_fault(text: str, *, world_size: int | None = None) -> FaultSpec:
     if any(r < 0 or (world_size is not None and r >= world_size) for r in ranks):
         raise InputError(flag, f"{kind}: rank out of range", value=text,
                          fix=f"use ranks 0..{(world_size or 1) - 1}")
-    start = _int_key(values, "start", kind, text, required=True)
-    stop = _int_key(values, "stop", kind, text, required=False)
+    if "start" not in values:
+        raise InputError(flag, f"{kind}: missing start", value=text,
+                         fix=f"add start=STEP, e.g. {_EXAMPLES[kind]}")
+    start = _parse_key(kind, "start", values["start"], _step, text)
+    stop = _parse_key(kind, "stop", values["stop"], _step, text) if "stop" in values else None
     if stop is not None and stop <= start:
         raise InputError(flag, f"{kind}: stop must be after start", value=text,
                          fix=f"use stop > {start}, or leave it out (to the end)")
@@ -166,29 +166,24 @@ def parse_fault(text: str, *, world_size: int | None = None) -> FaultSpec:
                                  fix=f"add {key}=..., e.g. {_EXAMPLES[kind]}")
             params[key] = default
             continue
-        try:
-            params[key] = parse(values[key])
-        except (ValueError, InputError) as exc:
-            raise InputError(flag, f"{kind}: {key}={values[key]} is not valid ({exc})",
-                             value=text, fix=f"e.g. {_EXAMPLES[kind]}") from None
+        params[key] = _parse_key(kind, key, values[key], parse, text)
     return FaultSpec(kind, ranks, start, stop, params)
 
 
-def _int_key(values: Mapping[str, str], key: str, kind: str, text: str, *,
-             required: bool) -> int | None:
-    if key not in values:
-        if required:
-            raise InputError("--fault", f"{kind}: missing {key}", value=text,
-                             fix=f"add {key}=STEP, e.g. {_EXAMPLES[kind]}")
-        return None
+def _step(text: str) -> int:
+    return check_int("step", text, parse=True)
+
+
+def _parse_key(kind: str, key: str, value: str, parse: Any, text: str) -> Any:
+    """``parse(value)``, or an InputError on ``--fault`` naming the kind, the key and why."""
     try:
-        value = int(values[key])
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InputError("--fault", f"{kind}: {key} must be a step number >= 0", value=text,
-                         fix=f"e.g. {_EXAMPLES[kind]}")
-    return value
+        return parse(value)
+    except InputError as exc:    # check_int's or parse_bytes' wording, under this key
+        why = exc.problem
+    except ValueError as exc:
+        why = str(exc)
+    raise InputError("--fault", f"{kind}: {key}={value} is not valid ({why})", value=text,
+                     fix=f"e.g. {_EXAMPLES[kind]}")
 
 
 _EXAMPLES = {

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_guard.core.policy import short_node_id
+from raytrain_guard.errors import check_int
 
 #: a step's phases in order, as the train loop tells the watchdog: a rank that stopped in an
 #: earlier phase than another stopped first (the other went on until a collective held it)
@@ -89,9 +90,7 @@ class HangRecord:
             return float(v)
 
         def integer(key: str, v: Any) -> int:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"hang record {key} must be an integer >= 0, got {v!r}")
-            return v
+            return check_int(f"hang record {key}", v)
 
         world_size = d.get("world_size")
         in_collective = d.get("in_collective")

@@ -79,11 +79,12 @@ class LoopConfig:
             values[name] = load_object(values[name], field_name=name)
         for name, lo in (("micro_batch", 1), ("grad_accum", 1), ("epochs", 1), ("seed", 0)):
             if name in values:
-                values[name] = _as_int(name, values[name], lo)
+                values[name] = check_int(name, values[name], at_least=lo)
         for name in ("max_steps", "checkpoint_every_steps", "num_workers",
                      "stop_check_every_steps", "global_batch"):
             if values.get(name) is not None:
-                values[name] = _as_int(name, values[name], 0 if name == "num_workers" else 1)
+                values[name] = check_int(name, values[name],
+                                         at_least=0 if name == "num_workers" else 1)
         if "strategy" in values:
             values["strategy"] = parse_strategy(values["strategy"])
         guard = values.get("guard", {})
@@ -126,8 +127,8 @@ class LoopConfig:
             raise InputError("epoch_tail", "unknown", value=values["epoch_tail"],
                              fix="use 'short_step' (train the leftover micro-batches) or 'drop'")
         if values.get("device_memory_bytes") is not None:
-            values["device_memory_bytes"] = _as_int("device_memory_bytes",
-                                                    values["device_memory_bytes"], 1)
+            values["device_memory_bytes"] = check_int("device_memory_bytes",
+                                                      values["device_memory_bytes"], at_least=1)
         return cls(**values)
 
     @property
@@ -141,10 +142,6 @@ class LoopConfig:
         costs about 2 ms per call on gloo on a 2-core box (benchmarks/stop_flag_cost.py), half
         a toy step; a rank that hits critical memory then waits at most K - 1 steps."""
         return self.stop_check_every_steps or self.guard.lockstep_every_steps
-
-
-def _as_int(name: str, value: Any, lo: int) -> int:
-    return check_int(name, value, at_least=lo)
 
 
 def _call_factory(name: str, factory: Callable[..., Any], *args: Any) -> Any:
