@@ -61,10 +61,10 @@ from raytrain_guard.cluster.launcher import (
 )
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError
+from raytrain_guard.runtime.dropin_summary import combine_summaries
 from raytrain_guard.runtime.worker_guard import (
     WorkerGuard,
     WorkerSettings,
-    combine_summaries,
     current_guard,
     install,
     uninstall,

@@ -93,6 +93,32 @@ class DropInDataLoader(GuardedDataLoader):
         return cls(dataset, batch_size, config=config, num_workers=num_workers,
                    prefetch_factor=prefetch_factor, lowered=lowered, **kwargs)
 
+    @classmethod
+    def rebuilt_from(cls, loader: Any, *, config: GuardConfig, world_rank: int,
+                     world_size: int, gpus_per_node: int, device: Any, add_dist_sampler: bool,
+                     move_to_device: bool, auto_transfer: bool) -> DropInDataLoader:
+        """The torch DataLoader ``loader`` (one :func:`unguardable` accepts) rebuilt with its
+        settings kept (:meth:`keeping_settings`); the other arguments are Ray's
+        ``prepare_data_loader``'s."""
+        given_workers = loader.num_workers or None        # 0: torch's default, sized here
+        generator = loader.generator
+        return cls.keeping_settings(
+            loader.dataset, loader.batch_size,
+            shuffle=isinstance(loader.sampler, torch.utils.data.RandomSampler),
+            seed=int(generator.initial_seed()) if generator is not None else 0,
+            drop_last=loader.drop_last,
+            collate_fn=None if loader.collate_fn is default_collate() else loader.collate_fn,
+            config=config,
+            world_rank=world_rank if add_dist_sampler else 0,
+            world_size=world_size if add_dist_sampler else 1,
+            gpus_per_node=gpus_per_node,
+            device=device if move_to_device else None,
+            num_workers=given_workers,
+            prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+            persistent_workers=bool(loader.persistent_workers) or given_workers is None,
+            multiprocessing_context=loader.multiprocessing_context,
+            device_prefetch_depth=1 if auto_transfer or not move_to_device else 0)
+
     @property
     def sampler(self) -> _EpochSampler:
         """The distributed sampler; its ``set_epoch`` is the loader's (a no-op for the current
