@@ -1,12 +1,13 @@
 """The guarded DataLoader: sized from measured batches, sharded exactly once, resumable.
 
-:class:`GuardedDataLoader` builds and drives a torch DataLoader inside a Ray Train worker:
-a resumable DistributedSampler (:mod:`~raytrain_guard.runtime.sampler`), workers and prefetch
-sized to the host budget (:mod:`~raytrain_guard.runtime.loader_sizing`), batches kept ready
-ahead of the loop (:mod:`~raytrain_guard.runtime.device_prefetch`), per-batch data wait
-(:mod:`~raytrain_guard.runtime.loader_figures`) and a copy-on-read watch on its workers
-(:mod:`~raytrain_guard.runtime.worker_memory`). What it does and its contracts:
-docs/train_loop.md, "The guarded DataLoader".
+:class:`GuardedDataLoader` builds and drives a torch DataLoader inside a Ray Train worker,
+from parts in ``raytrain_guard.runtime``, one module each: ``sampler`` (the resumable
+DistributedSampler), ``loader_sizing`` (workers, prefetch and the stage's depth within the host
+budget, re-sized per epoch and on request), ``loader_iteration`` (the iterators and their
+per-batch timing), ``loader_resume`` (the epoch position and the resume state),
+``loader_figures`` (per-batch data wait and bytes), ``loader_pipeline`` (the torch DataLoader
+and the stage ahead of the loop) and ``worker_memory`` (a copy-on-read watch on the workers).
+What it does and its contracts: docs/train_loop.md, "The guarded DataLoader".
 """
 
 from __future__ import annotations
@@ -22,26 +23,25 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from raytrain_guard.batch_inspect import SAME_SHAPE_FIX, is_list_backed, measure_dataset
+from raytrain_guard.batch_inspect import is_list_backed, measure_dataset
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.dataloader_sizing import DataLoaderPlan
 from raytrain_guard.errors import InputError, check_int
-from raytrain_guard.runtime.batches import batch_nbytes, batch_signature
 from raytrain_guard.runtime.context import current_context
-from raytrain_guard.runtime.device_prefetch import ThreadedPrefetcher
 from raytrain_guard.runtime.loader_figures import DataWaitFigures
+from raytrain_guard.runtime.loader_iteration import LoaderIteration
 from raytrain_guard.runtime.loader_pipeline import WorkerPipeline
-from raytrain_guard.runtime.loader_position import EpochPosition
+from raytrain_guard.runtime.loader_resume import (
+    EpochPosition,
+    resume_state,
+    saved_order,
+    saved_position,
+)
 from raytrain_guard.runtime.loader_sizing import HostProbe, LoaderSizing
 from raytrain_guard.runtime.sampler import ResumableDistributedSampler
 from raytrain_guard.runtime.worker_memory import WorkerMemoryWatcher
 
 logger = logging.getLogger(__name__)
-
-_NUM_CHECKED_BATCHES = 3          # delivered batches whose signature is compared to the probe's
-_COLLATE_ERRORS = ("stack expects each tensor to be equal size",
-                   "each element in list of batch should be of equal size",
-                   "Trying to resize storage that is not resizable")   # in a worker (shm)
 
 
 class GuardedDataLoader:
@@ -93,25 +93,23 @@ class GuardedDataLoader:
         self.drop_last = bool(drop_last)
         self.config = config
         self._collate_fn = collate_fn
-        self._clock = clock
         self.device = torch.device(device) if device is not None else None
-        self._pin_memory = (self.device is not None and self.device.type == "cuda"
-                            and torch.cuda.is_available())
+        pin_memory = (self.device is not None and self.device.type == "cuda"
+                      and torch.cuda.is_available())
 
         # Measure a real batch and check the samples agree, before any worker exists.
-        self._probe_signature, self.probe_batch_bytes = self._probe_batch()
+        probe_signature, self.probe_batch_bytes = self._probe_batch()
+        self._figures = DataWaitFigures()
         self._sizing = LoaderSizing(
-            batch_bytes=self.probe_batch_bytes, config=config,
+            batch_bytes=self.probe_batch_bytes, figures=self._figures, config=config,
             gpus_per_node=gpus_per_node if gpus_per_node is not None else max(
                 1, ctx.local_world_size),
             cpus_per_node=cpus_per_node if cpus_per_node is not None else _cpu_count(),
-            pin_memory=self._pin_memory,
+            pin_memory=pin_memory, device=self.device,
             list_backed=is_list_backed(dataset, min_items=config.list_dataset_min_items),
             num_workers=num_workers, prefetch_factor=prefetch_factor,
-            host_memory_bytes=host_memory_bytes, host_probe=host_memory_probe,
-            world_rank=self.world_rank)
-        self._figures = DataWaitFigures()
-        self._device_prefetch_depth = self._fit_device_depth(device_prefetch_depth, warn=False)
+            device_prefetch_depth=device_prefetch_depth, host_memory_bytes=host_memory_bytes,
+            host_probe=host_memory_probe, world_rank=self.world_rank)
 
         self._sampler = ResumableDistributedSampler(
             dataset, num_replicas=self.world_size, rank=self.world_rank, shuffle=self.shuffle,
@@ -124,14 +122,9 @@ class GuardedDataLoader:
         self._pipeline = WorkerPipeline(
             dataset, batch_size=batch_size, sampler=self._sampler, drop_last=self.drop_last,
             collate_fn=collate_fn, seed=self.seed, persistent_workers=bool(persistent_workers),
-            multiprocessing_context=multiprocessing_context, pin_memory=self._pin_memory,
+            multiprocessing_context=multiprocessing_context, pin_memory=pin_memory,
             device=self.device)
         self._pos = EpochPosition(num_samples, batch_size * self.world_size)
-        self._restart_pending = False   # the live iterator restarts at the delivered position
-        self._loader_stale = False      # the plan changed: the torch DataLoader is rebuilt
-        self._generation = 0            # a live iterator of an older generation stops
-        self._num_checked = 0
-        self._steps: Any = None         # opens the loop's steps (StepGuard.attach_loader)
         self._watcher: WorkerMemoryWatcher | None = None
         if watch_worker_memory:
             ref = weakref.ref(self)
@@ -141,15 +134,14 @@ class GuardedDataLoader:
                 num_samples=config.worker_memory_growth_samples,
                 min_growth_bytes=config.worker_memory_growth_bytes)
             weakref.finalize(self, self._watcher.stop)
+        self._iteration = LoaderIteration(
+            pipeline=self._pipeline, sampler=self._sampler, pos=self._pos, sizing=self._sizing,
+            figures=self._figures, watcher=self._watcher, clock=clock,
+            probe_signature=probe_signature, check_shapes=collate_fn is None,
+            dataset_name=type(dataset).__name__, world_rank=self.world_rank)
         logger.info("rank %d/%d: %s", self.world_rank, self.world_size, self.plan.reason)
         for warning in self.plan.warnings:
             logger.warning("rank %d: %s", self.world_rank, warning)
-
-    # -- planning -------------------------------------------------------------------------------
-    @property
-    def plan(self) -> DataLoaderPlan:
-        """The plan in effect: num_workers, prefetch_factor, bytes and the reason."""
-        return self._sizing.plan
 
     def _probe_batch(self) -> tuple[Any, int]:
         """Collate dataset[0..k-1] here: (signature, bytes scaled to one full batch)."""
@@ -160,31 +152,7 @@ class GuardedDataLoader:
         nbytes = math.ceil(measured.batch_bytes * self.batch_size / k)
         return measured.signature, max(1, nbytes)
 
-    def _batch_bytes(self) -> int:
-        """The largest batch delivered this epoch, else the figure of the last plan."""
-        return self._figures.max_batch_bytes or self._sizing.planned_batch_bytes
-
-    def _fit_device_depth(self, depth: int, *, warn: bool) -> int:
-        """Clamp the device-prefetch depth to the host budget when its batches are host memory."""
-        if not self._stage_in_host():
-            return depth
-        return self._sizing.fit_stage_depth(depth, self._batch_bytes(), self.device, warn=warn)
-
-    def _replan(self) -> None:
-        """At an epoch boundary: re-size from the largest batch of the epoch and host pressure."""
-        measured = self._batch_bytes()
-        self._figures.max_batch_bytes = 0              # the next epoch measures afresh
-        changed = self._sizing.replan(measured, self._pos.epoch)
-        self._device_prefetch_depth = self._fit_device_depth(self._device_prefetch_depth,
-                                                             warn=True)
-        if changed:
-            self._close_torch_loader()
-
     # -- the torch DataLoader -------------------------------------------------------------------
-    def _close_torch_loader(self) -> None:
-        self._pipeline.close()
-        self._loader_stale = False
-
     @property
     def torch_loader(self) -> DataLoader:
         """The underlying torch DataLoader (built on first use, rebuilt by a re-plan)."""
@@ -197,126 +165,9 @@ class GuardedDataLoader:
         """Process ids of the live DataLoader workers (empty without workers)."""
         return self._pipeline.worker_pids()
 
-    # -- iteration ------------------------------------------------------------------------------
+    # -- iteration (loader_iteration) -----------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        pos = self._pos
-        self._pipeline.close_stage()      # an earlier iterator's thread stops before the reset
-        pos.rebase()
-        if pos.start >= self.num_samples or self._batches_left(pos.start) == 0:
-            pos.move_to(pos.epoch + 1)
-        if pos.start == 0 and pos.batches_before == 0 and pos.started:
-            self._replan()
-        pos.started = True
-        if self._loader_stale:
-            self._close_torch_loader()
-        self._restart_pending = False
-        self._generation += 1
-        self._start_torch_iter()
-        return self._batches(self._generation)
-
-    def _start_torch_iter(self) -> None:
-        """The torch iterator from the current position of the current epoch."""
-        self._sampler.set_epoch(self._pos.epoch)
-        self._sampler.set_start(self._pos.start)
-        self._pipeline.start(self.plan)
-
-    def _stage_in_host(self) -> bool:
-        """Batches kept ahead are host memory: no CUDA stage, and workers or a device stage."""
-        return not self._pin_memory and (self.device is not None or self.plan.num_workers > 0)
-
-    def _wants_thread(self) -> bool:
-        """Batches from worker processes, not on CUDA (there torch's pin-memory thread takes
-        them from the workers), and batches to keep ahead."""
-        return not self._pin_memory and self.plan.num_workers > 0 \
-            and self._device_prefetch_depth > 0
-
-    def _open_stage(self) -> Iterator[Any]:
-        return self._pipeline.open_stage(self._device_prefetch_depth,
-                                         thread=self._wants_thread())
-
-    def _restart(self) -> Iterator[Any]:
-        """Rebuild the torch iterator at the position the training loop reached (batches
-        fetched ahead and not delivered are fetched again): how a new plan takes effect
-        mid-epoch."""
-        pos = self._pos
-        self._pipeline.close_stage()
-        pos.rebase()
-        self._restart_pending = False
-        if self._loader_stale:
-            self._close_torch_loader()
-        if self._batches_left(pos.start) == 0:
-            return iter(())                    # the epoch was delivered: it ends here
-        self._start_torch_iter()
-        logger.info("rank %d epoch %d: DataLoader restarted at sample %d with %d workers x "
-                    "prefetch_factor %d", self.world_rank, pos.epoch, pos.start,
-                    self.plan.num_workers, self.plan.prefetch_factor)
-        return self._open_stage()
-
-    def time_steps(self, steps: Any) -> bool:
-        """From the next iterator on, call ``steps.before_fetch()`` before each fetch and
-        ``steps.after_fetch()`` when the batch is there (None stops): how an attached
-        :class:`~raytrain_guard.runtime.step_guard.StepGuard` opens each step and ends its
-        data phase. Returns whether it will. Usually called by :meth:`StepGuard.attach_loader`."""
-        self._steps = steps
-        return steps is not None
-
-    def _batches(self, generation: int) -> Iterator[Any]:
-        clock, steps, figures, pos = self._clock, self._steps, self._figures, self._pos
-        source = self._open_stage()
-        last = clock()
-        try:
-            while generation == self._generation:
-                if self._restart_pending:
-                    source = self._restart()
-                elif source is self._pipeline.stage and \
-                        source.depth != self._device_prefetch_depth:
-                    source.set_depth(self._device_prefetch_depth)
-                if steps is not None:
-                    steps.before_fetch()
-                t0 = clock()
-                try:
-                    batch = next(source)
-                except StopIteration:
-                    pos.move_to(pos.epoch + 1)
-                    return
-                except RuntimeError as exc:
-                    if any(text in str(exc) for text in _COLLATE_ERRORS):
-                        raise InputError("dataset", "samples of different shapes in one batch",
-                                         value=type(self.dataset).__name__,
-                                         fix=SAME_SHAPE_FIX) from exc
-                    raise
-                now = clock()
-                if steps is not None:
-                    steps.after_fetch()
-                figures.record(now - t0, now - last, batch_nbytes(batch))
-                last = now
-                if self._num_checked < _NUM_CHECKED_BATCHES:
-                    self._check_batch(batch)
-                pos.batches_in_iter += 1
-                if pos.batches_in_iter == 1 and self._watcher is not None \
-                        and self.plan.num_workers:
-                    self._watcher.start()   # after the first batch: workers are past start-up
-                yield batch
-                # the loop owns the batch now: freeing it (unmapping its shared memory) is the
-                # loop's cost, not a wait for data
-                del batch
-        finally:
-            if source is self._pipeline.stage:
-                self._pipeline.close_stage()
-
-    def _check_batch(self, batch: Any) -> None:
-        self._num_checked += 1
-        sig = batch_signature(batch, shapes=self._collate_fn is None)
-        if sig != self._probe_signature:
-            raise InputError("dataset", f"batch {self._num_checked - 1} differs in type or shape "
-                             f"from the first samples: {sig} vs {self._probe_signature}",
-                             value=type(self.dataset).__name__, fix=SAME_SHAPE_FIX)
-
-    def _batches_left(self, position: int) -> int:
-        """Batches this rank still delivers in the current epoch from ``position``."""
-        self._sampler.set_start(position)
-        n = len(self._sampler)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return self._iteration.begin()
 
     def __len__(self) -> int:
         """Batches of a whole epoch on this rank."""
@@ -324,7 +175,15 @@ class GuardedDataLoader:
                     else -(-self.num_samples // self.world_size))
         return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
-    # -- epoch and resume -----------------------------------------------------------------------
+    def time_steps(self, steps: Any) -> bool:
+        """From the next iterator on, call ``steps.before_fetch()`` before each fetch and
+        ``steps.after_fetch()`` when the batch is there (None stops): how an attached
+        :class:`~raytrain_guard.runtime.step_guard.StepGuard` opens each step and ends its
+        data phase. Returns whether it will. Usually called by :meth:`StepGuard.attach_loader`."""
+        self._iteration.steps = steps
+        return steps is not None
+
+    # -- epoch and resume (loader_resume) -------------------------------------------------------
     @property
     def epoch(self) -> int:
         return self._pos.epoch
@@ -345,60 +204,37 @@ class GuardedDataLoader:
         check_int("epoch", epoch, fix="pass the epoch number, from 0")
         if epoch == self._pos.epoch:
             return
-        self._generation += 1           # a live iterator of the old epoch stops
-        self._pipeline.close_stage()
+        self._iteration.stop()
         self._pos.move_to(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: enough to continue with no sample lost or repeated."""
-        return {"epoch": self._pos.epoch, "batches_consumed": self.batches_consumed,
-                "samples_consumed": self._pos.samples_consumed, "seed": self.seed,
-                "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "num_samples": self.num_samples, "batch_size": self.batch_size,
-                "world_size": self.world_size}
+        return resume_state(self._pos, self._order(), batch_size=self.batch_size,
+                            world_size=self.world_size)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; also valid after a change of world size or batch size."""
-        for key in ("epoch", "batches_consumed"):
-            if key not in state:
-                raise InputError(f"state_dict[{key!r}]", "missing", value=sorted(state),
-                                 fix="pass a dict from GuardedDataLoader.state_dict()")
-        if state.get("num_samples", self.num_samples) != self.num_samples:
-            raise InputError("state_dict['num_samples']", "differs from this dataset's length "
-                             f"{self.num_samples}", value=state["num_samples"],
-                             fix="resume with the dataset the state was saved with")
-        for key in ("seed", "shuffle", "drop_last"):
-            if key in state and state[key] != getattr(self, key):
-                logger.warning("rank %d: resuming with the saved %s=%r instead of %r, so the "
-                               "epoch order matches", self.world_rank, key, state[key],
-                               getattr(self, key))
-                setattr(self, key, state[key])
+        epoch, position, batches = saved_position(state, num_samples=self.num_samples,
+                                                  batch_size=self.batch_size,
+                                                  world_size=self.world_size)
+        order = saved_order(state, self._order(), self.world_rank)
+        self.seed, self.shuffle, self.drop_last = order["seed"], order["shuffle"], \
+            order["drop_last"]
         self._sampler.seed, self._sampler.shuffle = self.seed, self.shuffle
         self._sampler.drop_last = self._pipeline.drop_last = self.drop_last
         self._pipeline.seed = self.seed
-        position = state.get("samples_consumed")
-        if position is None:
-            position = (int(state["batches_consumed"]) * int(state.get("batch_size", self.batch_size))
-                        * int(state.get("world_size", self.world_size)))
-        self._generation += 1
-        self._pipeline.close_stage()
-        self._pos.move_to(int(state["epoch"]), int(position), int(state["batches_consumed"]))
+        self._iteration.stop()
+        self._pos.move_to(epoch, position, batches)
         self._pos.started = True
 
-    # -- run-time controls ----------------------------------------------------------------------
-    def set_device_prefetch_depth(self, depth: int) -> int:
-        """Keep ``depth`` batches ready from the next batch on; returns the depth applied
-        (lowered to what the host budget leaves when those batches are host memory)."""
-        check_int("device_prefetch_depth", depth, fix="use 0 (off), 1 or 2")
-        self._device_prefetch_depth = self._fit_device_depth(depth, warn=True)
-        stage = self._pipeline.stage
-        if stage is not None and isinstance(stage, ThreadedPrefetcher) != self._wants_thread():
-            self._restart_pending = True    # the background stage starts or stops
-        return self._device_prefetch_depth
+    def _order(self) -> dict[str, Any]:
+        return {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
+    # -- resizing (loader_sizing) ---------------------------------------------------------------
     @property
-    def device_prefetch_depth(self) -> int:
-        return self._device_prefetch_depth
+    def plan(self) -> DataLoaderPlan:
+        """The plan in effect: num_workers, prefetch_factor, bytes and the reason."""
+        return self._sizing.plan
 
     @property
     def prefetch_factor(self) -> int:
@@ -414,30 +250,34 @@ class GuardedDataLoader:
         """
         if prefetch_factor is not None:
             check_int("prefetch_factor", prefetch_factor, at_least=1, fix="use 1 or more, or None")
-        if not self._sizing.request_prefetch_factor(prefetch_factor, self._batch_bytes(),
-                                                    self._pos.epoch):
-            return
-        self._device_prefetch_depth = self._fit_device_depth(self._device_prefetch_depth,
-                                                             warn=True)
-        self._loader_stale = self._restart_pending = True
+        if self._sizing.request_prefetch_factor(prefetch_factor, self._pos.epoch):
+            self._iteration.rebuild()
 
+    @property
+    def device_prefetch_depth(self) -> int:
+        return self._sizing.device_prefetch_depth
+
+    def set_device_prefetch_depth(self, depth: int) -> int:
+        """Keep ``depth`` batches ready from the next batch on; returns the depth applied
+        (lowered to what the host budget leaves when those batches are host memory)."""
+        check_int("device_prefetch_depth", depth, fix="use 0 (off), 1 or 2")
+        applied = self._sizing.set_device_prefetch_depth(depth)
+        self._iteration.match_stage()     # the background stage starts or stops
+        return applied
+
+    # -- figures (loader_figures) ---------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Data-wait totals, batches, bytes in flight (estimate), re-plans."""
-        batch = self._batch_bytes()
-        plan = self.plan
-        workers = plan.num_workers * plan.prefetch_factor * batch * (2 if self._pin_memory else 1)
-        has_stage = self.device is not None or plan.num_workers > 0
-        stage = self._device_prefetch_depth * batch if has_stage else 0
-        in_host = self._stage_in_host()
-        watcher = self._watcher
+        plan, watcher = self.plan, self._watcher
+        host, device = self._sizing.bytes_in_flight()
         return {"epoch": self._pos.epoch, "batches_consumed": self.batches_consumed,
                 **self._figures.to_dict(),
-                "bytes_in_flight_estimate": workers + stage,
-                "host_bytes_in_flight_estimate": workers + (stage if in_host else 0),
-                "device_bytes_in_flight_estimate": 0 if in_host else stage,
+                "bytes_in_flight_estimate": host + device,
+                "host_bytes_in_flight_estimate": host,
+                "device_bytes_in_flight_estimate": device,
                 "host_budget_bytes": plan.budget_bytes,
                 "num_workers": plan.num_workers, "prefetch_factor": plan.prefetch_factor,
-                "device_prefetch_depth": self._device_prefetch_depth,
+                "device_prefetch_depth": self._sizing.device_prefetch_depth,
                 "replans": self._sizing.num_replans,
                 "worker_private_bytes": watcher.last_private_bytes if watcher else 0,
                 "copy_on_read_warned": bool(watcher and watcher.warned)}
@@ -460,8 +300,7 @@ class GuardedDataLoader:
         """Stop the workers and the memory watcher."""
         if self._watcher is not None:
             self._watcher.stop()
-        self._generation += 1
-        self._close_torch_loader()
+        self._iteration.close()
 
     def __enter__(self) -> GuardedDataLoader:
         return self
