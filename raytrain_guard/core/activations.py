@@ -1,60 +1,11 @@
 """Analytic activations of a decoder transformer in eager PyTorch (pure: standard library only).
 
-Counts the tensors autograd saves for backward. With ``s`` sequence length, ``b`` micro-batch,
-``t = s b`` tokens, ``h`` hidden size, ``a`` heads, ``f`` MLP hidden size (``4h`` by default),
-``k`` the key/value width (``h`` unless grouped-query attention), ``v`` the vocabulary, ``e``
-bytes of one activation element (2 under bf16 autocast or in bf16, 4 in fp32) and ``r`` bytes of
-one element of the residual stream (4 in fp32 and under autocast, where the fp32 embedding
-output promotes every residual add; 2 in bf16), one layer saves, in bytes:
-
-* norms, two per layer: LayerNorm (fused kernel, ``bias``) its input ``r th``; RMSNorm written as
-  Llama code writes it (``x.float()``, ``x * rsqrt(mean(x^2) + eps)``, ``.type_as(x) * weight``)
-  an fp32 copy of its input plus the normalised tensor the weight multiplies: ``(4 + r) th``;
-* attention: its input ``e th``, Q ``e th``, K and V ``2 e tk``, or ``2 e th`` when they are
-  expanded to every query head for grouped-query attention (``repeat_kv``, what Llama code and a
-  kernel without native GQA need; ``expand_kv=False`` when SDPA gets ``enable_gqa=True``), the
-  output projection's input ``e th``: with the ``math`` kernel a contiguous copy of the attention
-  output (``transpose(1, 2).contiguous()``), which also keeps the softmax output ``e a s^2 b``;
-  the ``flash`` kernel writes its output in (batch, seq, heads, dim) layout, so that
-  ``.contiguous()`` copies nothing and the tensor it saves for backward is the projection's
-  input (a trace of examples/llama.py shows no copy), plus a logsumexp ``4 a t`` (fp32);
-* MLP: its input ``e th``, then ``2 e tf`` (fc1 output, GeLU output) or ``4 e tf`` for a gated MLP
-  (gate, SiLU output, up, their product);
-* with dropout, 1-byte masks ``2 th`` (and with the math kernel ``a s^2 b`` plus the
-  dropped-out probabilities ``e a s^2 b``).
-
-For a LayerNorm model with ``f = 4h``, ``k = h``, the math kernel and dropout this is Korthikanti
-et al.'s ``34 sbh + 5 a s^2 b`` bytes in 16-bit.
-
-Outside the layers: the final norm and the output head's input; at the start of backward the
-loss holds three fp32 ``t x v`` tensors (the log-probabilities ``log_softmax`` saved, the NLL
-gradient and the log-softmax gradient made from them): ``12 tv`` bytes, which a 128 k vocabulary
-makes GiBs. The 16-bit logits themselves are assumed dropped before backward (torchtitan
-``del pred``; a loop that keeps the model's output alive adds ``e tv``).
-
-Recompute:
-
-* ``selective``: Megatron's (Korthikanti et al.): only the ``s^2`` attention terms are dropped
-  and recomputed; with the flash kernel this equals ``none``.
-* ``per-op``: PyTorch's per-op selective activation checkpointing of each block
-  (``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with torchtitan's policy:
-  save the outputs of every other matmul - the 1st, 3rd, 5th ... of a block in the order Q, K, V,
-  output projection, gate (fc1), up, down - and of SDPA, recompute everything else). A block
-  keeps its input ``r th`` plus those outputs; in backward one block at a time is recomputed in
-  full (less what it reuses: the SDPA outputs and the gate/fc1 output the activation saves).
-* ``full``: each block keeps its input ``r th``; one block at a time is rebuilt in its backward.
-
-Under recompute the peak is the larger of the loss's moment (every block's saved tensors plus
-the loss tensors) and the first block's recompute (saved tensors plus one rebuilt block, and the
-output head's gradient, a fixed ``v h`` elements); without recompute everything is alive at the
-loss. No gradient exists at the loss's moment, so the profile holds the gradients alive at its
-peak (``includes_gradients``) and the memory model adds none.
-
-Under ``amp-bf16`` autocast keeps a bf16 copy of every matmul weight alive until its backward:
-``2 x (matmul parameters)`` bytes, independent of the batch (``fixed_bytes``).
-
-The counts describe eager kernels (no ``torch.compile``, whose fusions save less). When in
-doubt, trace the model (``raytrain_guard.trace``).
+Counts the tensors autograd saves for backward, per layer (norms, attention by kernel, MLP,
+dropout masks) and outside the layers (final norm, output head, the loss's fp32 ``t x v``
+tensors), under each recompute mode, from the shape a model card gives
+(:class:`TransformerShape`). The formulas, where they come from (Korthikanti et al., traces of
+real models) and the peak under recompute: docs/memory_model.md. When in doubt, trace the model
+(:mod:`raytrain_guard.trace`).
 """
 
 from __future__ import annotations
@@ -197,14 +148,15 @@ def transformer_model_stats(shape: TransformerShape) -> ModelStats:
 
 
 def _norm_bytes(shape: TransformerShape, precision: Precision) -> int:
-    """Bytes one norm saves per hidden element (see the module docstring)."""
+    """Bytes one norm saves per hidden element: LayerNorm ``r``, eager RMSNorm ``4 + r``."""
     r = RESIDUAL_BYTES[precision]
     return 4 + r if shape.norm is Norm.RMSNORM else r
 
 
 def layer_parts(shape: TransformerShape, micro_batch: int, precision: Precision,
                 attention: AttentionKernel) -> dict[str, int]:
-    """Bytes one layer saves for backward without recompute, by tensor (module docstring)."""
+    """Bytes one layer saves for backward without recompute, by tensor
+    (docs/memory_model.md)."""
     s, b, h, a, f = shape.seq_len, micro_batch, shape.hidden, shape.heads, shape.ffn
     t = s * b
     e = ACTIVATION_BYTES[precision]

@@ -1,25 +1,12 @@
 """What an action will do, priced before, and what it did, measured after (pure).
 
-The coordinator's policy asks this module before it acts: every candidate memory action is
-priced with the planner's own memory model (:func:`raytrain_guard.core.memory_model.estimate`)
-on the run's plan (:class:`RunPlan`) and the current readings, as an :class:`Effect`: the memory
-fraction predicted after it, and the throughput it costs. After the action applies, the
-coordinator measures it over the next window of reported steps (:func:`measure`) and compares
-(:func:`missed`): an action that did less than ``effect_min_share`` of its prediction is not
-repeated for that cause.
-
-Predictions are deltas on the reading, not absolute model figures: the rank's memory fraction
-after an action is its reading now plus the model's change of the step's reserved peak over the
-card. A model that is off by a constant (the CUDA context, another process) still prices the
-change right.
-
-Worked example (FSDP full shard, 2 ranks, fp32 AdamW, 100 M trainable parameters, traced
-activations 200 MiB + 1 GiB per sample, micro-batch 2, accumulation 1, 40 GiB card):
-shrinking to micro-batch 1 x accumulation 2 frees 1 GiB of activations, but under last-micro-batch
-gradient sync (FSDP ``no_sync`` until the last micro-batch) the first micro-batch's unsharded
-gradients (100 M x 4 B = 381 MiB) live through the second backward, so the peak falls by
-1 GiB - 381 MiB only; with a profile of 200 MiB per sample it rises (200 MiB freed, 381 MiB added)
-and the shrink is refused (:func:`shrink_effect`).
+Every candidate memory action of the coordinator's policy is priced with the planner's own
+memory model (:func:`raytrain_guard.core.memory_model.estimate`) on the run's plan
+(:class:`RunPlan`) as an :class:`Effect`: the memory fraction predicted after it (a delta on the
+current reading, so a constant error of the model cancels) and the throughput it costs. After
+it applies, :func:`measure` and :func:`missed` say whether it did at least
+``effect_min_share`` of its prediction. Why deltas, and a worked shrink under FSDP:
+docs/memory_model.md ("Pricing an action").
 """
 
 from __future__ import annotations
@@ -156,7 +143,9 @@ def reserved_peak_bytes(plan: RunPlan, micro_batch: int, grad_accum: int,
 def shrink_effect(plan: RunPlan, micro_batch: int, grad_accum: int, memory_frac: float,
                   config: GuardConfig = GuardConfig()) -> Effect | str:
     """Halve the micro-batch, double accumulation (the global batch is unchanged), priced by
-    the memory model; or a note saying why it cannot be done (an odd micro-batch)."""
+    the memory model; or a note saying why it cannot be done (an odd micro-batch). Under FSDP
+    with last-micro-batch sync the first micro-batch's unsharded gradients live through the
+    second backward, so a shrink can raise the peak (worked in docs/memory_model.md)."""
     if micro_batch % 2:
         return (f"cannot shrink the micro-batch {micro_batch}: it is odd, so halving it would "
                 f"change the global batch")

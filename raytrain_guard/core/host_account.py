@@ -1,30 +1,10 @@
 """The host memory of one node's training processes, as the planner counts it (pure).
 
-Per GPU (one training process):
-
-- the DataLoader's prefetch: ``host_prefetch_frac`` of host RAM / GPUs per node (the 5 % rule
-  of :mod:`raytrain_guard.core.dataloader_sizing`), or the planned loader's bytes if larger;
-- a checkpoint's staging. ``torch.distributed.checkpoint.save`` copies each tensor a rank writes
-  to host memory and keeps every copy until the rank's file is closed (torch 2.13,
-  ``filesystem._write_files_from_queue``: one file per rank, its tensors held until written),
-  so a rank stages all it writes. What it writes, over ``N`` ranks:
-
-  * ``ddp``: every rank holds the whole model state (parameters, buffers, optimizer state);
-    DCP de-duplicates what several ranks hold (``dedup_save_plans``: each tensor goes to the
-    rank with the fewest bytes planned so far), so a rank writes at most ``total / N`` plus
-    the largest tensor;
-  * ``zero1``: the replicated parameters and buffers as under ``ddp``, plus the optimizer state
-    of the parameters its partition owns (``zero1_rank_numel``: the most loaded rank);
-  * ``fsdp-grad-op``, ``fsdp-full``: its shards of parameters and optimizer state (``1 / N``),
-    buffers (replicated) de-duplicated.
-
-  A load reads one tensor at a time into the tensors it restores, so it stages less than the
-  save. (``dcp.async_save`` would hold a host copy of the whole state dict a rank passes, before
-  de-duplication: the full model state on every DDP rank. The train loop saves synchronously.)
-
-The node's processes together, ``(staging + prefetch) x gpus_per_node``, must stay within
-``host_memory_watermark_frac`` of host RAM (0.90: where the guard starts lowering prefetch,
-five points below Ray's memory monitor).
+Per GPU: the DataLoader's prefetch budget (or the planned loader's bytes, if larger) plus what
+the rank stages in host memory while ``torch.distributed.checkpoint`` writes its part of a
+checkpoint (:func:`checkpoint_shard`); times the GPUs of a node, within
+``host_memory_watermark_frac`` of host RAM. What each strategy writes and why DCP holds it:
+docs/memory_model.md ("Host memory of a node").
 """
 
 from __future__ import annotations
@@ -57,7 +37,9 @@ class CheckpointShard:
 
 
 def checkpoint_shard(model: ModelStats, setup: TrainingSetup) -> CheckpointShard:
-    """The bytes one rank writes per checkpoint (see the module docstring), with the sum."""
+    """The bytes the most loaded rank writes per checkpoint, with the sum: ``ddp`` the model
+    state / N plus its largest tensor (DCP writes each replicated tensor once), ``zero1`` that
+    for the replicated parameters plus its partition's optimizer state, FSDP its shards."""
     n, prec = setup.world_size, setup.precision
     trainable = model.num_trainable_params
     copies = STATE_COPIES[setup.optimizer]
@@ -124,7 +106,7 @@ def host_account(*, model: ModelStats, setup: TrainingSetup, host_memory_bytes: 
                  gpus_per_node: int, config: GuardConfig,
                  loader_host_bytes: int | None = None) -> HostAccount:
     """Checkpoint staging and DataLoader prefetch of every GPU of a node, against
-    ``host_memory_watermark_frac`` of its RAM (see the module docstring)."""
+    ``host_memory_watermark_frac`` of its RAM."""
     shard = checkpoint_shard(model, setup)
     prefetch = max(host_budget_bytes(host_memory_bytes, gpus_per_node, config),
                    loader_host_bytes or 0)

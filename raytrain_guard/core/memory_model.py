@@ -1,108 +1,10 @@
-"""Per-GPU memory model of one training step (pure: standard library only).
+"""Per-GPU memory of one steady-state training step (pure: standard library only).
 
-memory = params + gradients + optimizer states + activations + communication buffers
-         + runtime reserve (CUDA context + allocator fragmentation).
-
-The peak is not the plain sum of these categories. Three moments of a steady-state step compete,
-and :func:`estimate` computes each and keeps the largest:
-
-``backward``
-    Early in backward: every activation saved for backward is still alive (plus the first
-    gradients and the backward working memory, which a traced profile includes in its
-    activation bytes), and the optimizer state of the previous step exists.
-``optimizer``
-    Inside ``optimizer.step()``: all gradients exist, activations are freed, and the optimizer
-    makes temporaries (foreach Adam: one state-dtype copy of the parameters it updates;
-    single-tensor Adam: two copies of the largest parameter).
-    A traced profile fits everything alive at the trace's forward/backward-side peak, so for a
-    model whose peak is at the end of forward (a frozen backbone) "backward" names that moment.
-``rebuild``
-    DDP only (world size > 1): at the start of the second iteration DDP rebuilds its gradient
-    buckets, and old and new buckets coexist briefly.
-``late-backward``
-    FSDP only: the end of backward. Activations are freed, every sharded gradient is written,
-    and the reduce-scatter buffers of the largest trainable unit are in flight. (At the start
-    of backward no reduce-scatter buffer exists yet, and a frozen unit never has one.)
-``forward``
-    FSDP only: a unit being gathered in forward, its all-gather output beside its unsharded
-    copy (FSDP2 all-gathers in place and copies out), next to the forward's activations (the
-    profile less the gradients a trace saw, ``ActivationProfile.gradient_bytes``). A frozen
-    backbone held in the root unit peaks here.
-
-Under FSDP a traced profile's gradients (a trace runs without FSDP: all unsharded) are replaced
-by what FSDP2 keeps: the unit reducing unsharded, the others as shards.
-
-Bytes per trainable parameter (``P`` params, ``G`` gradients, ``O`` optimizer; frozen
-parameters only cost ``P``), with ``k`` optimizer state copies (sgd 0, sgd-momentum 1, adam and
-adamw 2):
-
-==============  ===  ===  ========================  =========================================
-precision        P    G    O                         notes
-==============  ===  ===  ========================  =========================================
-fp32             4    4    4k                        everything fp32
-amp-bf16         4    4    4k                        autocast: bf16 weight copies and bf16
-                                                     activations live in the activation profile
-bf16-master      2    2    4 + 4k                    fp32 master weights with the optimizer
-                                                     state (ZeRO paper: 2 + 2 + 12 for Adam)
-bf16             2    2    2k                        everything bf16
-==============  ===  ===  ========================  =========================================
-
-Under FSDP (``fsdp-full``, ``fsdp-grad-op``) ``bf16-master`` is FSDP2's
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the sharded parameters *are* the
-fp32 master weights (``P`` 4, no separate master in ``O``), gradients land in their dtype
-(``G`` 4), the gathered parameters and unsharded gradients are bf16 (2 bytes) and the
-reduce-scatter runs in fp32 (4 bytes a parameter). The total at rest is the same 16 bytes a
-parameter for Adam; what moves is where they sit, and the reduce-scatter buffers double.
-
-Sharding over the ``N`` data-parallel ranks (sizes rounded up to a multiple of ``N``, as FSDP
-pads its flat parameters):
-
-* ``ddp``: nothing sharded. Gradient buckets hold one more full copy of the gradients unless
-  ``gradient_as_bucket_view``. Ray's ``prepare_model`` does not wrap DDP when the world size is
-  1, so with one rank there are no buckets.
-* ``zero1``: optimizer state (and its temporaries) of the most loaded rank: PyTorch's
-  ``ZeroRedundancyOptimizer`` never splits a parameter (largest first, to the least loaded rank),
-  so one huge parameter can leave a rank with most of the state; DDP buckets as above.
-* ``fsdp-grad-op`` (ZeRO-2): gradients and optimizer state divided by ``N``; the parameters are
-  kept sharded at rest *and* unsharded from forward to the end of backward. Both are booked
-  under ``params`` in the backward phases (the model states of the ZeRO paper's Table 1,
-  P_os+g: 2 bytes x 7.5 B unsharded + (2 + 12) x 7.5 B / 64 = 16.6 GB; the notes print the
-  plan's model states that way), only the shards in the ``optimizer`` phase; ``comm`` holds
-  the collectives' own buffers: in ``forward`` the all-gather output of the unit gathered
-  (alive next to its unsharded copy), none in ``backward`` (nothing was resharded), in
-  ``late-backward`` two reduce-scatter buffers of the largest *trainable* unit, which FSDP2
-  resharded first (so its own parameters are no longer counted unsharded).
-* ``fsdp-full`` (ZeRO-3): parameters, gradients and optimizer state divided by ``N``.
-  ``backward``: two all-gather buffers of the largest unit (the unit computed and the one
-  prefetched); ``late-backward``: two reduce-scatter buffers of the largest trainable unit and
-  *one* all-gather buffer, the unit prefetched for the next backward. FSDP2's
-  ``post_backward`` reshards a unit (frees its gathered parameters) before it reduce-scatters
-  its gradients (``_fsdp_param_group.py``), so the unit's own all-gather buffer is gone by
-  then; and the unit that runs backward last (the first in forward: the MLP's largest layer)
-  prefetches nothing. Counting both all-gather buffers there over-predicted the MLP by 19 %.
-  When the root unit is known (``ModelStats.root_unit_params``: embedding, output head, final
-  norm), it is gathered through all of backward (FSDP2 does not reshard the root after
-  forward) and the buffers are those of the largest *other* unit.
-
-Runtime reserve: ``cuda_context_bytes`` plus ``fragmentation_frac`` of the tensor peak; under FSDP
-with the peak in backward also the previous step's gradient shards. ``zero_grad`` frees them
-before forward, but each unit's shards sit in one reduce-scatter output, smaller than the
-activations that follow, so the caching allocator keeps them reserved. Evidence: torchtitan's
-Llama 3.1 8B runs on 8 and 128 H100s (docs/benchmarks.md) differ by 15.4 GiB of reserved memory;
-the state that scales with 1/N accounts for 10.5 GiB at 12 bytes a parameter (fp32 parameters,
-Adam), for 15.4 GiB at 16 (gradients included) times the ~1.10 reserved/allocated ratio both
-runs share.
-
-Gradient accumulation (``grad_accum > 1``): the gradients of earlier micro-steps are alive during
-every later backward. DDP (``no_sync``) keeps them whole. FSDP has two modes
-(:class:`GradSync`, ``TrainingSetup.fsdp_grad_sync``):
-
-* ``last_micro_batch``: ``set_requires_gradient_sync(False)`` until the last micro-batch: each
-  rank holds the *unsharded* gradients of the whole model (in the reduce dtype, FSDP2's
-  ``unsharded_accumulated_grad``) through every later backward; one reduce-scatter per step.
-* ``every_micro_batch``: reduce-scatter after every micro-batch: the accumulated gradients stay
-  sharded (``G / N``), at the price of ``grad_accum`` reduce-scatters per step
-  (:func:`comm_bytes_per_step`).
+memory = params + gradients + optimizer states + activations + communication buffers + runtime
+reserve. :func:`estimate` prices each moment of a step that can hold the peak (backward and the
+optimizer step; DDP's bucket rebuild; FSDP's forward and late backward), keeps the largest and
+adds the reserve. The phases, the bytes per parameter of each precision, what each strategy
+shards, the reserve and gradient accumulation, with their sources: docs/memory_model.md.
 """
 
 from __future__ import annotations
@@ -217,7 +119,7 @@ class TrainingSetup:
     bucket_cap_mb: float = 25.0             # DDP's default cap
     gradient_as_bucket_view: bool = False   # DDP's default
     foreach: bool = True                    # optimizer implementation (CUDA default)
-    fsdp_grad_sync: GradSync = DEFAULT_GRAD_SYNC  # FSDP with grad_accum > 1 (see the module doc)
+    fsdp_grad_sync: GradSync = DEFAULT_GRAD_SYNC  # FSDP with grad_accum > 1 (docs/memory_model.md)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", coerce_enum(Strategy, self.strategy, "strategy"))
@@ -343,7 +245,7 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
     p_b, s_b = PARAM_BYTES[prec], STATE_BYTES[prec]   # p_b: compute dtype (gathered, unsharded)
     opt_per_param = MASTER_BYTES[prec] + STATE_COPIES[setup.optimizer] * s_b
     shard_b, reduce_b = p_b, p_b
-    if fsdp:  # the sharded parameters are the master weights (see the module docstring)
+    if fsdp:  # FSDP2 under bf16-master: the fp32 sharded parameters are the master weights
         shard_b, reduce_b = FSDP_SHARD_BYTES[prec], REDUCE_BYTES[prec]
         opt_per_param = STATE_COPIES[setup.optimizer] * s_b
     frozen = model.num_params - model.num_trainable_params
