@@ -1,45 +1,11 @@
 """Trace the user's own model: activation bytes without real memory and without a GPU.
 
-:func:`trace_model` imports a factory that builds the ``nn.Module`` and a factory for one sample
-batch, builds both under ``FakeTensorMode`` (tensors with shapes and dtypes, no storage), and runs
-real training steps - forward, loss, backward, ``optimizer.step()``, ``zero_grad()`` - under
-PyTorch's own tracker ``torch.distributed._tools.mem_tracker.MemTracker``. One warm-up step
-creates the optimizer state; then one tracked step at each of two micro-batches (the sample's
-batch ``b0`` and ``2 * b0``, built by repeating the sample along dim 0, or by calling the sample
-factory with ``batch_size=`` when it takes one) gives the activations as
-``fixed + per_sample * b``, so the planner searches micro-batches without tracing again.
-
-What is read from the tracker, per tracked step: the peak snapshot after forward, after backward
-and after the optimizer step. The step's peak is the largest of them and its phase is the first
-one that reached it. The activation profile is fitted on the backward-side peak: everything alive
-there except parameters, buffers and optimizer state (so the profile holds activations, the
-input batch, the backward working memory and the gradients already produced at that moment).
-The optimizer's temporaries are left to the memory model, which computes them for the chosen
-``foreach`` setting (the trace runs PyTorch's CPU default, single-tensor).
-
-Fallback: if the model cannot run under ``FakeTensorMode`` it is built and run on the ``meta``
-device; if that fails too, :class:`~raytrain_guard.errors.TraceError` names the operation that
-failed (the last aten op dispatched), quotes PyTorch's reason and gives the fix for the kind of
-failure: a sample whose shape or dtype does not fit the model's forward (field ``sample``), a
-data-dependent forward (``.item()``, ``.tolist()``, ``numpy()``, value-sized outputs), or
-anything else. While tracing, FakeTensorMode's own error log of the failing op (a traceback on
-stderr) is filtered out: the TraceError says it in one line.
-
-Known MemTracker limits, where they bite (README notes):
-
-* Modules that deep-copy a layer at construction (``nn.TransformerEncoder``) can mix fake modes;
-  the meta fallback handles them.
-* DDP gradient buckets are filed under "Activation"; the trace runs without DDP, the memory model
-  adds buckets for world sizes > 1.
-* Fake ``cuda`` tensors abort in backward on a CPU-only build, so the trace always runs on the CPU
-  device. CPU kernels decide what is saved: CPU SDPA with dropout 0 takes a flash path (no
-  seq x seq term), like CUDA's; autocast's CPU op list is close to, not identical with, CUDA's.
-* The tracker counts tensor bytes, rounded to 512 bytes on CUDA only; allocator fragmentation and
-  the CUDA context are the memory model's runtime reserve.
-* MemTracker registers a gradient hook on every parameter and raises on frozen ones (torch
-  2.13); the trace marks frozen parameters as already hooked.
-* Optimizer state is read at the end of ``optimizer.step()`` and tensors made inside it are filed
-  under "Optstate", so the optimizer's temporaries show as optimizer state at an optimizer peak.
+:func:`trace_model` builds the model and a sample batch under ``FakeTensorMode`` (shapes and
+dtypes, no storage; the ``meta`` device as the fallback) and runs real training steps under
+PyTorch's ``MemTracker``: a warm-up step, then one tracked step at each of two micro-batches, to
+fit the activations as ``fixed + per_sample * b`` for the planner. What is read from the
+tracker, the fallback and its one-line :class:`~raytrain_guard.errors.TraceError`, and the
+tracker's limits: docs/planner_trace.md.
 """
 
 from __future__ import annotations
@@ -102,7 +68,7 @@ def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Ca
                 optimizer: OptimizerKind | str = OptimizerKind.ADAMW,
                 micro_batches: tuple[int, int] | None = None,
                 clock: Callable[[], float] = time.perf_counter) -> TraceResult:
-    """Trace one steady-state training step of the user's model; see the module docstring.
+    """Trace one steady-state training step of the user's model (docs/planner_trace.md).
 
     ``loss(model, batch) -> scalar``; by default the model is called with the batch (a dict as
     keyword arguments, a tuple/list as positional arguments, anything else as one argument) and
