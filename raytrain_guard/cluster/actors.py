@@ -1,24 +1,12 @@
 """Turning the monitor and the coordinator into Ray actors (the only module here that starts them).
 
-* :func:`start_monitors` (namespace, run_id, config, probe_factory) -> ``{node_id: handle}``:
-  one :class:`~raytrain_guard.cluster.monitor.NodeMonitor` per alive node for the run,
-  ``num_cpus=0``, pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``, named
-  ``raytrain_guard:monitor:<run id>:<node id>`` in the namespace, ``get_if_exists=True``
-  (calling it again adds monitors to new nodes only), ``max_restarts=-1``. Each samples every
-  ``monitor_interval_s`` and sends its samples to its run's coordinator, fire-and-forget; two
-  runs in one namespace each have their own monitors.
-  The actor has NodeMonitor's methods plus ``where() -> str`` (the node it runs on).
-* :func:`start_coordinator` (namespace, run_id, config, run_name=None) -> handle: the
-  :class:`~raytrain_guard.cluster.coordinator.Coordinator` named
-  ``raytrain_guard:coordinator:<run id>``, ``num_cpus=0``, ``max_restarts``; besides the
-  coordinator's methods it takes stop requests, the ranks' end-of-run summaries and Ray
-  Train's controller events (:class:`_CoordinatorActor`).
-* :func:`stop_all` (namespace, run_id=None): kill the run's monitors and coordinator (every
-  run's when None).
-* :func:`register_worker_with_monitor` (namespace, run_id, world_rank): from a train worker,
-  ask its run's monitor on this node to sample its private memory and its DataLoader workers'.
-
-Monitors are keyed on Ray's node id, never on IP-based node ranks (nodes may share an IP).
+:func:`start_monitors` puts one :class:`~raytrain_guard.cluster.monitor.NodeMonitor` of the run
+on each alive node (``num_cpus=0``, pinned to the node, sampling every ``monitor_interval_s``
+and sending to its run's coordinator, fire-and-forget); :func:`start_coordinator` starts the
+run's :class:`~raytrain_guard.cluster.coordinator.Coordinator`; :func:`stop_all` kills a run's
+actors; :func:`register_worker_with_monitor` asks a train worker's node monitor to sample it.
+Actors are named per run in the namespace, so two runs keep apart. What runs where:
+docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -198,7 +186,11 @@ class _CoordinatorActor(Coordinator):
 def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = None,
                    probe_factory: ProbeFactory | None = None, *, max_restarts: int = -1,
                    ready_timeout_s: float | None = 60.0) -> dict[str, Any]:
-    """One monitor of ``run_id`` per alive node; returns ``{node_id: handle}``. Idempotent.
+    """One monitor of ``run_id`` per alive node; returns ``{node_id: handle}``. Idempotent:
+    named :func:`monitor_name` with ``get_if_exists``, so calling it again adds monitors to new
+    nodes only. Each is pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)`` and
+    keyed on Ray's node id, never on an IP-based node rank (nodes may share an IP); it has
+    NodeMonitor's methods plus ``where()``.
 
     With ``ready_timeout_s`` it waits for every monitor to answer a ping (a monitor that does
     not is logged and still returned: monitoring fails open).

@@ -1,33 +1,13 @@
 """The worker-side coordinator client, and the decision source the train loop polls.
 
-:class:`CoordinatorClient` runs inside every training worker. It never blocks a step:
-
-- ``record(stats)`` keeps the :class:`~raytrain_guard.core.steps.StepStats` objects as they
-  are; every ``report_every_steps`` of them are turned into rows (``STEP_FIELDS`` order, no
-  ``asdict``) and go to the coordinator in one fire-and-forget ``.remote()`` call (at most
-  ``MAX_INFLIGHT_REPORTS`` unanswered; beyond that a batch is dropped and counted), with one
-  ``decisions_since(cursor)`` request when none is outstanding;
-- ``poll_decisions()`` collects finished calls with one ``ray.wait(timeout=0)``, never waiting.
-  :class:`LockstepDecisionSource` calls it only at the lockstep's agreement steps, where the
-  decisions are needed: no Ray call on the other steps;
-- any failure (coordinator dead, restarting, not started yet, Ray gone) drops the handle; the
-  lookup by name is retried lazily, at most once per ``GuardConfig.coordinator_retry_s`` of the
-  injected clock. Meanwhile training goes on under the local gate rules: the guard fails open.
-
-The attempt number every rank reports with is issued by the coordinator (``next_attempt``,
-asked by rank 0) and agreed by all ranks in one collective that also agrees whether every rank
-could start its decision source, so either all ranks run the lockstep or none does.
-
-:class:`LockstepDecisionSource` is the ``decision_source`` seam of the shared train loop
-(``poll(step, stats) -> list[Decision]``): it feeds the client, hands fetched decisions to
-:class:`~raytrain_guard.cluster.lockstep.Lockstep` and returns what every rank applies at this
-step. The coordinator actor methods used: ``report_steps(world_rank, node_id, attempt,
-stats, setup, decision_cursor, applied=[(step, decision id), ...])`` (``applied``: the
-decisions the lockstep applied since the last report, only when there are some),
-``decisions_since(decision_id) -> list[dict]`` and, from a rank's hang watchdog,
-``report_hang(world_rank, node_id, attempt, record) -> dict | None``
-(:func:`send_hang_record`: the one call that waits, at most :data:`HANG_REPORT_TIMEOUT_S`, off
-the training thread).
+:class:`CoordinatorClient` runs in every training worker and never blocks a step: step figures
+go to the coordinator in batched fire-and-forget calls, decisions come back through
+``ray.wait(timeout=0)`` only at the lockstep's agreement steps, and any failure drops the
+handle (looked up again at most once per ``coordinator_retry_s``) while training goes on under
+the local gate rules. :class:`LockstepDecisionSource` is the train loop's ``decision_source``
+seam, handing fetched decisions to :class:`~raytrain_guard.cluster.lockstep.Lockstep`;
+:class:`ClusterDecisionSource` is the picklable one the launcher ships to every worker. The
+attempt agreement, the coordinator methods used and the hang report: docs/coordination.md.
 """
 
 from __future__ import annotations

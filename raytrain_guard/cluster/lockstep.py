@@ -1,26 +1,11 @@
 """Lockstep: every rank applies every cluster decision at the same step boundary.
 
-Ranks learn about coordinator decisions at different times (each rank polls the coordinator on
-its own schedule, messages are delayed, some ranks never hear of a decision at all). A rank
-therefore never applies a decision it fetched by itself. Every ``K`` steps
-(``GuardConfig.lockstep_every_steps``) all ranks of the training process group agree:
-
-1. one tiny collective: the control plane's ``all_reduce(MAX)`` of ``[stop flag, newest pending
-   decision id]`` (``-1`` when a rank knows of nothing new) on a gloo side group, over a
-   preallocated CPU tensor (:mod:`raytrain_guard.runtime.control_plane`); the train loop's stop
-   flag travels in the same round. When the maximum id is ``-1`` the agreement ends here, which
-   is the common case and costs one 16-byte allreduce per ``K`` steps, without touching the
-   device;
-2. otherwise the ranks ``all_gather_object`` their pending decisions (same side group), and
-   every rank merges the
-   same lists in the same (rank) order, so every rank computes the same set;
-3. each merged decision is scheduled at :func:`apply_step`: the agreement step itself, or the
-   step the coordinator set when that is still in the future.
-
-The pure part (when to agree, how to merge, which step to apply at) is plain functions over
-:class:`~raytrain_guard.core.decisions.Decision` values; the collective is one method,
-:meth:`ProcessGroupExchange.exchange`. Each rank keeps its own log of ``(step, decision_id)``
-it applied, which is what the tests compare across ranks.
+A rank never applies a decision it fetched by itself: every ``lockstep_every_steps`` steps the
+ranks agree on the newest pending decision id in one 16-byte control-plane round
+(:mod:`raytrain_guard.runtime.control_plane`), exchange their pending decisions only when some
+rank has one, merge them in rank order and schedule each at :func:`apply_step`. The pure part
+is plain functions over :class:`~raytrain_guard.core.decisions.Decision` values; the collective
+is one method, :meth:`ProcessGroupExchange.exchange`. Why, step by step: docs/coordination.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Which rank hung: the coordinator's rule over the ranks' watchdog records (pure).
 
-When one rank blocks, every other rank blocks too, in the next collective that waits for it,
-and every rank's hang watchdog fires, each naming itself. Each watchdog sends its record
-(:class:`HangRecord`: step, phase and time in it, the wall time of its last progress, and
-whether its training thread was inside ``torch.distributed`` when it fired) to the
-coordinator, which names the hung rank with :func:`name_hung_rank`:
-
-1. **Silent rank.** Every rank that reported looks blocked in a collective (its stack was in
-   ``torch.distributed``, or it is past its forward: in backward, where DDP's all-reduce
-   waits, or in the optimizer) and exactly one rank of the attempt never reported: that one.
-   Its watchdog could not run (the process is frozen, or its thread holds the GIL in native
-   code), or it hung outside a step, where nothing is watched.
-2. **Not in a collective.** Among the reporters, the ranks whose stack was inside
-   ``torch.distributed`` wait for the others; when some were and some were not, the suspects
-   are those that were not.
-3. **Stopped earliest in its step.** Among the suspects, the rank at the earliest step, then
-   the earliest phase (:data:`PHASE_ORDER`: data, forward, backward, optimizer), then the
-   earliest last progress: the others went on until a collective stopped them.
-4. **Tie.** Two suspects at the same step and phase whose last progress lies within
-   ``tie_s`` of each other cannot be told apart (wall clocks of two nodes differ by more than
-   that): no rank is named, the suspects are listed.
-
-A verdict is ``settled`` once every rank of the attempt reported, or ``settle_s`` after the
-first record arrived (:data:`SETTLE_S`); before that a silent rank may still be on its way.
-
-Worked example (DDP, 2 ranks, the ``hang`` fault on rank 1 at step 40): rank 1 blocks before
-its forward; rank 0 runs its forward and backward and waits in the all-reduce. Both watchdogs
-fire (10 s floor). Records: rank 1 forward of step 40, rank 0 backward of step 40. Rule 3:
-rank 1, phase forward before backward.
+When one rank blocks, every other rank blocks in the next collective that waits for it, and
+every rank's watchdog fires, each naming itself. :func:`name_hung_rank` names the hung rank of
+an attempt from their :class:`HangRecord` values (step, phase and time in it, last progress,
+whether the thread was inside ``torch.distributed``), or lists the suspects when it cannot
+tell. The rules, why each holds, and a worked example: docs/coordination.md ("Hangs").
 """
 
 from __future__ import annotations
@@ -148,8 +125,15 @@ class HungRank:
 def name_hung_rank(records: Iterable[HangRecord], expected_ranks: Iterable[int] = (), *,
                    waited_s: float = 0.0, settle_s: float = SETTLE_S, tie_s: float = TIE_S,
                    nodes: Mapping[int, str] | None = None) -> HungRank | None:
-    """The hung rank of one attempt from its ranks' watchdog records (see the module
-    docstring for the rules); None without records.
+    """The hung rank of one attempt from its ranks' watchdog records; None without records.
+
+    Rules, in order (docs/coordination.md gives why): 1. every reporter looks blocked in a
+    collective and exactly one rank never reported: that one (``silent``); 2. when some
+    reporters were inside ``torch.distributed`` and some not, the suspects are those not
+    (``not_in_collective``); 3. the suspect at the earliest step, then phase
+    (:data:`PHASE_ORDER`), then last progress; 4. suspects at one step and phase whose last
+    progress is within ``tie_s``: no rank named (``tie``). Settled once every rank reported or
+    ``settle_s`` after the first record.
 
     ``expected_ranks``: the attempt's ranks as the coordinator knows them (those that reported
     steps); ``range(world_size)`` of any record is added. ``waited_s``: time since the first

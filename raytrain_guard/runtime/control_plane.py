@@ -1,25 +1,11 @@
 """The control-plane collective: stop flag and newest decision id in one 16-byte all_reduce.
 
-Every ``K`` steps (``GuardConfig.lockstep_every_steps``) the ranks of a training run must agree
-on two things: whether any rank's gate asked to checkpoint and stop, and whether any rank has
-heard of a cluster decision the others have not (the lockstep's newest pending id). Both are a
-MAX over the ranks, so one ``all_reduce(MAX)`` of ``[stop flag, newest decision id]`` answers
-both. It runs on a gloo side group over a preallocated CPU tensor:
-
-- on NCCL, a tiny allreduce on the device followed by ``.item()`` would wait for all the step's
-  queued GPU work (a device synchronization in the hot path); a CPU tensor on gloo does not
-  touch the device at all;
-- the tensor is allocated once, not per call.
-
-The side group is ``dist.new_group(backend="gloo")`` when the default group is not gloo (every
-rank creates it at the same point: :meth:`ControlPlane.for_default_group` is called by the train
-loop while building, by every rank), and the default group itself otherwise.
-
-The train loop and the lockstep exchange share one plane per process
-(:func:`shared_control_plane`): the loop sets :attr:`ControlPlane.local_stop` before it polls
-its decision source; when the lockstep's exchange runs :meth:`ControlPlane.agree` at that
-boundary, the stop flag travels with it, and the loop only runs its own round at a stop-check
-step where no exchange did.
+Both questions the ranks must agree on every ``lockstep_every_steps`` steps (did any rank ask
+to stop; has any rank heard of a decision the others have not) are a MAX, so one
+``all_reduce(MAX)`` of ``[stop flag, newest decision id]`` answers both. It runs on a gloo group
+over a CPU tensor allocated once, so it never synchronizes the device, and the train loop and
+the lockstep share one plane per process (:func:`shared_control_plane`). Why gloo, and how the
+stop flag rides on the lockstep's round: docs/coordination.md.
 """
 
 from __future__ import annotations
@@ -34,7 +20,7 @@ NO_DECISION = -1  # the value a rank contributes to the MAX when it knows of not
 
 
 class ControlPlane:
-    """One rank's end of the control-plane collective (see the module docstring).
+    """One rank's end of the control-plane collective (docs/coordination.md).
 
     ``world_size`` 1: no collective, :meth:`agree` answers from the local values. ``group``: the
     process group to reduce over (a gloo group; None: the default group, which must be gloo).

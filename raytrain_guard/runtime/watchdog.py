@@ -1,23 +1,11 @@
 """A hang watchdog on every rank: a step that does not end in time is named, and ended.
 
-A rank that blocks (a wedged kernel, a dead peer, a deadlock in user code) makes every rank wait
-in the next collective until its timeout: 30 minutes by default in Ray Train. The watchdog is a
-daemon thread that looks at the step in progress every ``interval_s``: when it has run longer
-than ``max(GuardConfig.hang_floor_s, GuardConfig.hang_step_multiple x median step)``, it names
-the rank, its node, the phase the step is in and for how long, and calls ``on_hang`` with that
-record. The train loop's ``on_hang`` writes it down and, when the guard acts, ends the process
-so that Ray's FailureConfig restarts the group from the last checkpoint, within seconds.
-
-The loop tells it only where a step begins, which phase it enters, and where it ends: three
-attribute writes and a clock read; the thread does the rest. Between steps (checkpoints, the
-report barrier) nothing is watched.
-
-When it fires, the record also says where the watched thread is (``where``: its innermost
-Python frame) and whether that frame is inside ``torch.distributed`` (``in_collective``): a
-rank blocked in FSDP's all-gather or a ``barrier`` waits for another rank, a rank stuck in a
-kernel or a user's lock does not. DDP's all-reduce wait runs in the autograd engine, below any
-Python frame; there the phase (backward) tells it. The coordinator names the hung rank from
-every rank's record (:mod:`raytrain_guard.core.hang`).
+A daemon thread looks at the step in progress every ``interval_s``; when it has run longer than
+``max(hang_floor_s, hang_step_multiple x median step)`` it hands ``on_hang`` a record of the
+rank, its node, the phase, how long, and where the training thread is (inside
+``torch.distributed`` or not). The loop only marks where a step begins, which phase it enters
+and where it ends. Why this ends the process, and how the coordinator names the hung rank from
+every rank's record (:mod:`raytrain_guard.core.hang`): docs/coordination.md ("Hangs").
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class StepWatchdog:
-    """Watches the step in progress of one rank (see the module docstring).
+    """Watches the step in progress of one rank (docs/coordination.md, "Hangs").
 
     ``warmup_steps``: steps that must end before it arms (start-up, the first DDP iteration).
     The watched thread is the one that builds the watchdog (the training thread).
