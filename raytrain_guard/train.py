@@ -1,41 +1,13 @@
 """Guard a Ray Train script you already have by changing its imports.
 
-::
-
-    -from ray.train.torch import TorchTrainer, prepare_model, prepare_data_loader
-    +from raytrain_guard.train import (TorchTrainer, get_guard, prepare_data_loader,
-    +                                  prepare_model, prepare_optimizer)
-     ...
-    -    opt = torch.optim.AdamW(model.parameters())
-    +    opt = prepare_optimizer(torch.optim.AdamW(model.parameters()))
-     ...
-    +        if get_guard().should_stop():     # optional: honour a checkpoint-and-stop
-    +            break
-
-* :class:`TorchTrainer`: Ray's constructor plus ``guard=`` (a :class:`GuardOptions`, a
-  :class:`~raytrain_guard.config.GuardConfig`, or a dict of the fields of either). ``fit()``
-  plans first when it can (``guard.model_factory`` with a sample, or ``guard.plan``) and refuses
-  a plan that does not fit (:class:`~raytrain_guard.cluster.launcher.PlanDoesNotFit`, as the
-  launcher does); starts one node monitor per node and the run's coordinator (named actors,
-  :mod:`raytrain_guard.cluster.actors`); runs Ray's TorchTrainer with a
-  ``ray.train.UserCallback`` on the controller (reports, worker failures: attempts and
-  restarts); tears the actors down, also when training fails; and returns Ray's ``Result``
-  with the guard's :class:`GuardReport` as ``result.guard``.
-* :func:`prepare_model`, :func:`prepare_data_loader`: Ray's signatures and behaviour (device
-  placement, DDP wrapping, a distributed sampler) plus the guard: the planned ``bucket_cap_mb``
-  (unless given in ``parallel_strategy_kwargs``); the loader sized to the host budget, with
-  ``prefetch_factor``, ``persistent_workers`` and ``multiprocessing_context`` kept (Ray's own
-  drops them); the data wait timed. A setting the user wrote is kept unless it breaks the host
-  budget (then lowered, with a warning naming the rule and the figures); one left at torch's
-  default (``num_workers=0``) is sized by the guard.
-* :func:`prepare_optimizer`: the step ends where the optimizer steps; forward and backward are
-  timed from hooks on the model, so the loop marks nothing.
-* :func:`get_guard` (in the worker): ``should_stop()``, ``should_checkpoint()``,
-  ``decisions()``, ``request_stop(reason)``, ``summary()``
-  (:class:`~raytrain_guard.runtime.worker_guard.WorkerGuard`).
-
-The worker side lives in :mod:`raytrain_guard.runtime.worker_guard`; this module is the Ray
-layer of the driver.
+:class:`TorchTrainer` is Ray's plus ``guard=`` (plans first and refuses a plan that does not
+fit, starts the node monitors and the run's coordinator, returns Ray's ``Result`` with
+``result.guard``); :func:`prepare_model`, :func:`prepare_data_loader` and
+:func:`prepare_optimizer` keep Ray's signatures and add the planned wrapping, the sized loader
+and step timing without marks; :func:`get_guard` is the worker's handle (``should_stop()``).
+This module is the driver's Ray layer; the worker side is
+:mod:`raytrain_guard.runtime.worker_guard`. The diff to apply and what each piece does:
+docs/drop_in.md.
 """
 
 from __future__ import annotations

@@ -2,26 +2,16 @@
 
 ::
 
-    from raytrain_guard.cluster.launcher import launch
     summary = launch({"model_factory": "examples.toy:make_model", ...}, num_workers=2)
     print(summary.format())
 
-:func:`launch`:
-
-1. plans first (:func:`plan_run`: the user's model traced on the fake device, then
-   :func:`raytrain_guard.core.planner.plan`) and refuses a plan that does not fit with
-   :class:`PlanDoesNotFit` (the arithmetic and the fixes: the planner's, or the caller's own
-   ``fixes`` when its interface has other options), unless ``force=True``;
-2. starts one node monitor per node and the run's coordinator
-   (:mod:`raytrain_guard.cluster.actors`);
-3. runs a ``TorchTrainer`` with the shared train loop
-   (:func:`raytrain_guard.runtime.train_loop.train_loop_per_worker`) and a
-   :class:`~raytrain_guard.cluster.client.ClusterDecisionSource`, so every rank reports to the
-   coordinator and applies its decisions in lockstep; a progress callback sees the
-   coordinator's status every ``progress_interval_s`` meanwhile;
-4. tears the actors down, also when training fails;
-5. returns a :class:`RunSummary` (steps, throughput, step p50/p99, data wait, detections:
-   what was seen, decisions: the actions applied).
+:func:`launch` plans first (:func:`plan_run`) and refuses a plan that does not fit with
+:class:`PlanDoesNotFit` unless ``force=True``; starts one node monitor per node and the run's
+coordinator (:mod:`raytrain_guard.cluster.actors`); runs a ``TorchTrainer`` with the shared
+train loop and a :class:`~raytrain_guard.cluster.client.ClusterDecisionSource`, so every rank
+applies the coordinator's decisions in lockstep (a ``progress`` callback sees its status
+meanwhile); tears the actors down, also when training fails; and returns a :class:`RunSummary`.
+What runs where: docs/cluster.md.
 """
 
 from __future__ import annotations

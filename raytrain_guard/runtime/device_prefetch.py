@@ -1,25 +1,10 @@
-"""The device-prefetch stage: the next batches are copied to the device before they are asked for.
+"""The device-prefetch stage: the next batches are made ready before the loop asks for them.
 
-On CUDA the copies run on a side stream (``non_blocking`` from pinned memory), so they overlap
-the current step's compute. Correctness when the training loop takes a batch:
-
-* ``current_stream.wait_stream(side)``: the step's kernels wait, on the GPU, for the copy to
-  finish; the host does not block (no synchronization on the hot path).
-* ``tensor.record_stream(current_stream)`` for every tensor of the batch: the tensors were
-  allocated on the side stream, so without it the caching allocator could hand their memory to
-  the next copy while the step still reads them.
-
-Elsewhere (CPU, or a device without streams) :class:`DevicePrefetcher` moves batches with
-``.to(device)`` and keeps ``depth`` of them ready, in the calling thread.
-``depth`` 0 turns the stage off (each batch is moved when it is taken).
-
-:class:`ThreadedPrefetcher` is the stage for batches that stay in host memory and come from
-DataLoader worker processes: a background thread takes them from the torch iterator (and moves
-them when asked) and keeps up to ``depth`` ready, as torch's pin-memory thread does on CUDA.
-Taking a batch from the workers' queue costs the training thread about 2 ms per 4.6 MiB batch
-(unpickling, receiving the shared-memory file descriptor from the worker, mapping it); the
-thread does it while the step runs. Threads share the GIL, so this hides the handoff only while
-the step leaves the interpreter free (GPU kernels, I/O, native ops that release the GIL).
+:class:`DevicePrefetcher` keeps ``depth`` batches already on the device (on CUDA copied on a
+side stream, overlapping the step's compute, with no host synchronization);
+:class:`ThreadedPrefetcher` keeps ``depth`` host batches that a background thread took from the
+DataLoader workers' queue, so the training thread does not pay that handoff. Where the guarded
+DataLoader uses them: docs/train_loop.md ("The guarded DataLoader").
 """
 
 from __future__ import annotations
@@ -35,7 +20,15 @@ from raytrain_guard.runtime.batches import iter_tensors, map_tensors
 
 
 class DevicePrefetcher:
-    """Pulls batches from ``source`` and keeps up to ``depth`` of them already on ``device``."""
+    """Pulls batches from ``source`` and keeps up to ``depth`` of them already on ``device``.
+
+    On CUDA the copies run on a side stream (``non_blocking`` from pinned memory). A batch
+    taken makes the current stream wait for its copy on the GPU (``wait_stream``: the host does
+    not block), and ``record_stream`` on each of its tensors keeps the caching allocator from
+    handing their memory (allocated on the side stream) to the next copy while the step still
+    reads them. Elsewhere (CPU, a device without streams) batches move with ``.to(device)`` in
+    the calling thread. ``depth`` 0 turns the stage off (each batch moves when it is taken).
+    """
 
     def __init__(self, source: Iterator[Any], device: torch.device, depth: int = 1) -> None:
         self._source = source
@@ -111,6 +104,11 @@ class ThreadedPrefetcher:
     the batches before them. :meth:`close` stops the thread and joins it (it finishes the
     ``next(source)`` it is in, at most one batch); only then may the source be reset or shut
     down. ``depth`` must be at least 1 (use the source directly for 0).
+
+    Taking a batch from the workers' queue costs about 2 ms per 4.6 MiB batch (unpickling,
+    receiving the shared-memory file descriptor, mapping it); the thread pays it while the step
+    runs, which hides it only while the step leaves the GIL free (GPU kernels, I/O, native ops
+    that release it).
     """
 
     def __init__(self, source: Iterator[Any], depth: int = 1,

@@ -1,23 +1,12 @@
 """Planned DDP / FSDP: the user's module wrapped the way the plan says.
 
-- ``ddp`` and ``zero1``: DistributedDataParallel with the plan's ``bucket_cap_mb`` and
-  ``gradient_as_bucket_view``. Inside a Ray Train worker through
-  ``ray.train.torch.prepare_model(parallel_strategy="ddp", parallel_strategy_kwargs=...)``;
-  outside Ray (plain ``torch.distributed``) by constructing DDP directly. ``zero1`` also shards
-  the optimizer state (:func:`wrap_optimizer` -> ``ZeroRedundancyOptimizer``).
-- ``fsdp-grad-op`` and ``fsdp-full``: FSDP2 (``torch.distributed.fsdp.fully_shard``), on CPU with
-  gloo too. Ray's ``prepare_model(parallel_strategy="fsdp")`` is FSDP1 and needs CUDA, so Ray
-  only moves the module to the device (``parallel_strategy=None``) and the sharding is ours.
-  Each module of :func:`wrap_units` (the units the planner sizes: a transformer's blocks, not
-  the ``ModuleList`` that holds them) becomes one FSDP unit, then the root.
-  ``fsdp-grad-op`` keeps parameters gathered between forward and backward
-  (``reshard_after_forward=False``, ZeRO-2); ``fsdp-full`` reshards them (ZeRO-3).
-
-:meth:`PlannedModel.grad_sync` is the one switch for gradient accumulation: ``no_sync()`` under
-DDP, ``set_requires_gradient_sync`` under FSDP2. Under FSDP2 it honours the planned
-``fsdp_grad_sync`` (:class:`~raytrain_guard.core.memory_model.GradSync`): ``last_micro_batch``
-skips the reduce-scatter until the last micro-batch (unsharded gradients are held in between),
-``every_micro_batch`` reduce-scatters every micro-batch (gradients stay sharded).
+``ddp`` and ``zero1`` are DistributedDataParallel with the plan's ``bucket_cap_mb`` (through
+Ray's ``prepare_model`` inside a Ray Train worker; ``zero1`` also shards the optimizer state);
+``fsdp-grad-op`` and ``fsdp-full`` are FSDP2 ``fully_shard`` over the planner's units
+(:func:`wrap_units`), on CPU with gloo too. :meth:`PlannedModel.grad_sync` is the one switch
+for gradient accumulation and honours the planned ``fsdp_grad_sync``
+(:class:`~raytrain_guard.core.memory_model.GradSync`). Why the sharding is the guard's and not
+Ray's, and what each mode does: docs/train_loop.md ("The model wrapping").
 """
 
 from __future__ import annotations

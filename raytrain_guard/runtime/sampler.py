@@ -1,23 +1,11 @@
 """A DistributedSampler that can start an epoch part-way through (resume without re-reading).
 
-Exactly-once contract, per epoch (``N`` samples, ``W`` ranks):
-
-* The epoch order is one permutation of ``range(N)``, from ``seed + epoch`` exactly as in
-  :class:`torch.utils.data.DistributedSampler` (a loader that never resumes gives the very
-  same indices on every rank as a plain DistributedSampler would).
-* Rank ``r`` takes every ``W``-th position starting at ``r``. So after every rank has consumed
-  ``k`` batches of ``B`` samples, the samples consumed by the whole job are exactly the first
-  ``k * B * W`` positions of the permutation: that one number (``start``) is the whole resume
-  state, and it stays valid when the job resumes with another world size or batch size.
-* ``drop_last=False``: the remaining positions are padded to a multiple of ``W`` with the head
-  of the permutation (as DistributedSampler does), so every rank gets the same number of
-  samples and the same number of steps. Those ``pad = (-(N - start)) % W`` samples (fewer than
-  ``W``) are delivered twice in that epoch; :attr:`num_padding` says how many. The union of the
-  shards is the dataset plus these documented duplicates.
-* ``drop_last=True``: the remainder is cut to a multiple of ``W`` (at most ``W - 1`` samples
-  skipped, different ones each epoch because the permutation changes); no sample repeats.
-
-Skipping happens on the index list (integers), never by loading and discarding samples.
+The epoch's order is DistributedSampler's own permutation and rank ``r`` takes every ``W``-th
+position from ``r``, so one number, the positions consumed by all ranks together, is the whole
+resume state, valid on another world size or batch size; skipping happens on the index list,
+never by loading samples. The exactly-once contract (and the padding duplicates of
+``drop_last=False``) is :class:`ResumableDistributedSampler`'s; how the loader resumes with it:
+docs/train_loop.md ("The guarded DataLoader").
 """
 
 from __future__ import annotations
@@ -29,7 +17,18 @@ from torch.utils.data import DistributedSampler
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """:class:`DistributedSampler` plus :meth:`set_start` (the first epoch position to deliver)."""
+    """:class:`DistributedSampler` plus :meth:`set_start` (the first epoch position to deliver).
+
+    Exactly once per epoch (``N`` samples, ``W`` ranks): the order is one permutation of
+    ``range(N)`` from ``seed + epoch``, as DistributedSampler's (without a resume every rank
+    gets the very indices it would); rank ``r`` takes every ``W``-th position from ``r``, so
+    after every rank consumed ``k`` batches of ``B`` the job consumed exactly the first
+    ``k * B * W`` positions (``start``). ``drop_last=False`` pads the rest to a multiple of
+    ``W`` with the head of the permutation: those ``(-(N - start)) % W`` samples
+    (:attr:`num_padding`, fewer than ``W``) come twice that epoch, so every rank runs the same
+    number of steps. ``drop_last=True`` cuts at most ``W - 1`` samples (:attr:`num_dropped`,
+    others each epoch); none repeats.
+    """
 
     def __init__(self, dataset: Sized, *, num_replicas: int, rank: int, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False) -> None:
