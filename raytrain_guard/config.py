@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from raytrain_guard.errors import ConfigError
 from raytrain_guard.units import GiB
@@ -228,6 +229,15 @@ class GuardConfig:
         "robust standard deviations (1.4826 x the median absolute deviation), and a rank's "
         "excess over the reference must clear this many of its own. Default 3.5: Iglewicz and "
         "Hoaglin's cut-off for the modified z-score.", 0.0)
+    slow_component_growth_steps: float = _doc(
+        1.0, "A step is also slow when one of its parts (data wait, compute, communication wait) "
+        "grew over that part's recent median by this many median steps, by slow_step_floor_s "
+        "and by slow_step_mad_k robust spreads of that part, the whole step by the floor at "
+        "least: a straggler's compute grows while its wait for the others shrinks, so its step "
+        "grows less than its compute. 0 turns the rule off. Default 1.0 (the part alone would "
+        "double the step): replayed through the gate (benchmarks/gate_replay.py), 16 experiment "
+        "arms with x3 compute on one rank name it within 5 steps in 11 (5 on the whole step "
+        "alone), and 7600 clean rank-steps give the same events as without it.", 0.0)
     slow_step_adaptive_persistence: bool = field(default=True, metadata={
         "doc": "A run of slow steps must also outlast every streak of slow steps that ended by "
                "itself within the last step_window steps (at most 3 x num_slow_steps), so a box "
@@ -288,7 +298,7 @@ class GuardConfig:
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> "GuardConfig":
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> GuardConfig:
         """Build from a mapping; unknown keys are rejected with the closest known name."""
         known = {f.name for f in fields(cls)}
         for key in data:
@@ -305,7 +315,7 @@ class GuardConfig:
                             fix=err.fix) from None
 
     @classmethod
-    def from_toml(cls, path: str | os.PathLike[str]) -> "GuardConfig":
+    def from_toml(cls, path: str | os.PathLike[str]) -> GuardConfig:
         """Load from a TOML file: top-level keys, or a ``[raytrain_guard]`` table (then the
         file's other tables, e.g. another tool's, are not read)."""
         try:
@@ -327,7 +337,7 @@ class GuardConfig:
                               fix="fix the TOML syntax") from None
         return cls.from_dict(_guard_section(data, str(path)), source=str(path))
 
-    def replace(self, **changes: Any) -> "GuardConfig":
+    def replace(self, **changes: Any) -> GuardConfig:
         """A copy with some fields changed, validated again."""
         return dataclasses.replace(self, **changes)
 

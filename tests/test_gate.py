@@ -430,3 +430,30 @@ def test_cross_rank_attribution_ignores_a_gap_under_the_floor():
     assert [a.role for a in small] == [RankRole.NORMAL, RankRole.NORMAL]
     big = attribute_across_ranks([w(0, 0.0033, 0.0050), w(1, 0.0083, 0.0000)])
     assert [a.role for a in big] == [RankRole.WAITING, RankRole.STRAGGLER_COMPUTE]
+
+
+def _straggler_steps(compute_ms, comm_ms, first=0):
+    return [StepStats(step=first + i, total_s=(c + w) * 1e-3, forward_s=c * 1e-3,
+                      comm_wait_s=w * 1e-3) for i, (c, w) in enumerate(zip(compute_ms, comm_ms))]
+
+
+def test_a_straggler_is_named_by_its_compute_where_its_step_hides_it():
+    # A wide box: compute steady at 2.3 ms, the wait for the other rank 1.2 / 2.2 / 3.2 ms, so
+    # steps of 3.5 / 4.5 / 5.5 ms: median 4.5, robust sigma 1.4826 ms, whole-step line
+    # 4.5 + 3.5 x 1.4826 = 9.69 ms. The rank computes x3.3 (7.5 ms) and no longer waits
+    # (0.7 ms): 8.2 ms steps, under that line, but compute grew 5.2 ms, more than a median step
+    # (4.5 ms), the 2 ms floor and 3.5 robust spreads of compute (0): slow in compute.
+    warm = _straggler_steps([2.3] * 23, [1.2, 2.2, 3.2] * 7 + [2.2, 2.2])
+    slow = _straggler_steps([7.5] * 3, [0.7] * 3, first=23)
+
+    def events(cfg):
+        gate = StepGate(cfg, clock=FakeClock())
+        return [d for s in warm + slow for d in gate.observe(s) if d.action is Action.SLOW_STEP]
+
+    (event,) = events(GuardConfig())
+    assert event.cause is Cause.COMPUTE and event.params["num_steps"] == 3
+    assert "compute grown by more than 1 median step(s)" in event.reason, event.reason
+    assert events(GuardConfig(slow_component_growth_steps=0)) == []
+    # growth under a median step (compute 6.5 ms: +4.2 ms) is this box's noise
+    slow = _straggler_steps([6.5] * 3, [0.7] * 3, first=23)
+    assert events(GuardConfig()) == []

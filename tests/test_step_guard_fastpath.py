@@ -25,10 +25,14 @@ class HandClock:
         return self.now
 
 
-def _step(guard, clock, step, total_s=0.01):
-    """One step of ``total_s`` on the hand clock, all of it forward; the step's decisions."""
+def _step(guard, clock, step, total_s=0.01, data_s=0.0):
+    """One step of ``total_s`` on the hand clock, ``data_s`` of it data wait and the rest
+    forward; the step's decisions."""
     guard.begin_step(step)
-    clock.now += total_s
+    if data_s:
+        clock.now += data_s
+        guard.mark("data")
+    clock.now += total_s - data_s
     guard.mark("forward")
     return guard.end_step(step)
 
@@ -141,8 +145,8 @@ def test_host_memory_far_below_the_watermark_is_read_every_few_steps():
     assert device.num_reads == 25
 
 
-def _decisions_by_step(totals, fracs, config, *, fast: bool,
-                       drain_every: int = 0) -> dict[int, list[str]]:
+def _decisions_by_step(totals, fracs, config, *, fast: bool, drain_every: int = 0,
+                       datas=None) -> dict[int, list[str]]:
     """Decisions per step of a StepGuard (fast path: a host timer) or of a gate fed every
     step (fast=False: the reference). ``drain_every``: drain the guard's stats every this many
     steps too, checking that every step comes out once, in order, with its own figures."""
@@ -151,9 +155,9 @@ def _decisions_by_step(totals, fracs, config, *, fast: bool,
         fracs = [probe.read().frac for _ in fracs]
         gate = StepGate(config, clock=GateClock())
         out = {}
-        for step, (total, frac) in enumerate(zip(totals, fracs)):
-            got = gate.observe(StepStats(step=step, total_s=total, forward_s=total,
-                                         memory_frac=frac))
+        for step, (total, frac, data) in enumerate(zip(totals, fracs, datas or [0.0] * len(totals))):
+            got = gate.observe(StepStats(step=step, total_s=total, data_wait_s=data,
+                                         forward_s=total - data, memory_frac=frac))
             if got:
                 out[step] = [d.action.value for d in got]
         return out
@@ -161,8 +165,8 @@ def _decisions_by_step(totals, fracs, config, *, fast: bool,
     guard = StepGuard(config, probe=ScriptedProbe(fracs), timer=StepTimer(clock=clock),
                       clock=GateClock(), sleep=lambda s: None)
     out, drained = {}, []
-    for step, total in enumerate(totals):
-        got = _step(guard, clock, step, total)
+    for step, (total, data) in enumerate(zip(totals, datas or [0.0] * len(totals))):
+        got = _step(guard, clock, step, total, data)
         if got:
             out[step] = [d.action.value for d in got]
         if drain_every and step % drain_every == 0:
@@ -221,3 +225,36 @@ def test_waiting_steps_are_capped_by_the_window():
     late = [s for s in fed_at if s >= 40]
     assert late == list(range(40, 80, 5))
     assert gate.num_observed + len(guard._buffer) == 80
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_part_that_grows_decides_at_the_same_steps_as_a_gate_fed_every_step(seed):
+    # A straggler's step: its compute grows while the wait before it shrinks, so the step
+    # grows less than its compute (slow_component_growth_steps). 10.5-13 ms steps, 8-10 ms of
+    # them data wait; runs of 1-8 steps whose forward grows to 15.8-17.5 ms (by more than a
+    # median step) while the data wait drops to about nothing: the step stays under the
+    # whole-step line of 1.5 x, slow by its part.
+    import random
+
+    rng = random.Random(seed)
+    totals, datas = [], []
+    while len(totals) < 300:
+        if rng.random() < 0.04:
+            for _ in range(rng.randint(1, 8)):
+                datas.append(0.0003 * rng.random())
+                totals.append(datas[-1] + rng.uniform(0.0158, 0.0175))
+        else:
+            datas.append(rng.uniform(0.008, 0.010))
+            totals.append(datas[-1] + 0.0025 * rng.uniform(1.0, 1.2))
+    fracs = [0.5] * len(totals)
+    config = GuardConfig(gate_batch_steps=rng.choice((1, 5, 10, 20)),
+                         num_slow_steps=rng.choice((1, 2, 3)))
+    expected = _decisions_by_step(totals, fracs, config, fast=False, datas=datas)
+    assert any("slow_step" in kinds for kinds in expected.values())
+    assert _decisions_by_step(totals, fracs, config, fast=True, datas=datas) == expected
+    # the whole-step rule alone sees fewer of them: the part is what makes these steps slow
+    alone = GuardConfig(gate_batch_steps=config.gate_batch_steps,
+                        num_slow_steps=config.num_slow_steps, slow_component_growth_steps=0)
+    seen_alone = _decisions_by_step(totals, fracs, alone, fast=False, datas=datas)
+    assert (sum("slow_step" in kinds for kinds in seen_alone.values())
+            < sum("slow_step" in kinds for kinds in expected.values()))

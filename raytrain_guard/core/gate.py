@@ -1,45 +1,11 @@
 """The step gate: per-rank rules that turn step statistics into decisions (pure).
 
 :class:`StepGate` sees one :class:`~raytrain_guard.core.steps.StepStats` per step and returns
-:class:`~raytrain_guard.core.decisions.Decision` values with their reasons. It never acts:
-the :class:`~raytrain_guard.runtime.step_guard.StepGuard` (an adapter) applies the local ones.
-
-Rules, every threshold from :class:`~raytrain_guard.config.GuardConfig`:
-
-* **Watermark.** ``memory_frac >= memory_watermark_frac`` (0.88) -> ``RELEASE_CACHE``, once per
-  crossing: the rule re-arms only when the fraction falls below ``memory_watermark_frac -
-  memory_hysteresis_frac`` (0.85), and two releases are at least
-  ``release_cache_min_interval_s`` apart on the gate's clock.
-* **Critical.** ``memory_frac >= memory_critical_frac`` (0.90), or, above the watermark, a
-  least-squares line through the last ``memory_trend_steps`` readings that reaches 0.90 within
-  ``memory_predict_steps`` steps -> ``CHECKPOINT_AND_STOP``, at most once per gate. The worker
-  is alone here; the cluster layer may turn the same signal into a cluster action.
-* **Slow steps.** A step is slow when ``total_s`` exceeds ``slow_step_abs_s`` (when set and
-  lower), or else the median of the last ``step_window`` steps (at least three of them) plus the
-  largest of: ``slow_step_factor - 1`` times it, the absolute floor ``slow_step_floor_s`` and
-  ``slow_step_mad_k`` robust standard deviations of the window (1.4826 x its median absolute
-  deviation, computed only for a step over the first two). A relative threshold alone cries
-  wolf on a noisy median of millisecond steps (issue 11: 19 events in 640 clean steps).
-  ``num_slow_steps`` slow steps in a row, each slow in the same component (the one that grew
-  most over its window median: a preemption lands in a random phase, a real slowdown stays in
-  one) -> one ``SLOW_STEP`` event per run of slow steps. With
-  ``slow_step_adaptive_persistence`` (on by default) a run must also outlast every streak of
-  slow steps that ended by itself in the last ``step_window`` steps (up to 3 x
-  ``num_slow_steps``): an oversubscribed box alternates normal and ~2.4x steps in streaks of
-  3-7, which a fixed 3 in a row names as slowdowns (issue 11). An event comes
-  with the cause of the component that grew most against its own recent median: data wait
-  -> ``DATA``, compute (forward + backward + optimizer) -> ``COMPUTE``, communication wait
-  -> ``COMMUNICATION`` (so communication is named only when compute grew less than it).
-  Under DDP, a rank whose compute grew is a straggler; a rank whose communication wait grew is
-  waiting on another rank or on the link. The first ``slow_step_warmup_steps`` steps are ignored.
-* **Pacing** (off unless ``pacing_enabled``): crossing the watermark -> ``PACE`` with
-  ``params={"delay_s": pacing_delay_s}``; falling below the re-arm line -> ``PACE`` with
-  ``delay_s`` 0. Decisions are changes of state; the adapter sleeps every step meanwhile.
-
-:func:`attribute_across_ranks` compares ranks with each other for the run's results: the
-stragglers are those of :func:`raytrain_guard.core.straggler.score_ranks` (the coordinator's
-rule), and the ranks that wait in communication longer than the least-waiting rank are
-waiting on them.
+:class:`~raytrain_guard.core.decisions.Decision` values with their reasons (watermark, critical
+memory, slow steps and their cause, pacing); it never acts: the
+:class:`~raytrain_guard.runtime.step_guard.StepGuard` applies the local ones. The rules and their
+thresholds: docs/train_loop.md ("The gate's rules"). :func:`attribute_across_ranks` compares the
+ranks of a run with the coordinator's straggler rule.
 """
 
 from __future__ import annotations
@@ -134,16 +100,23 @@ class StepGate:
             else:
                 median_s = None                 # the absolute rule decides: no spread test
         total_s = stats.total_s
-        if threshold_s is not None and total_s > threshold_s and median_s is not None \
-                and cfg.slow_step_mad_k > 0:
+        slow = threshold_s is not None and total_s > threshold_s
+        if slow and median_s is not None and cfg.slow_step_mad_k > 0:
             # over the cheap line: the robust spread of the window raises it on a noisy box
             # (computed only here, for a step that may be slow)
             threshold_s = max(threshold_s, median_s + cfg.slow_step_mad_k
                               * robust_sigma(totals, median_s))
-        if threshold_s is not None and total_s > threshold_s:
+            slow = total_s > threshold_s
+        cause = None
+        if (not slow and median_s is not None and cfg.slow_component_growth_steps > 0
+                and total_s > median_s + cfg.slow_step_floor_s):
+            # the whole step hides a straggler's slowdown behind the wait it no longer has
+            cause, slow = self._component_slow(stats, median_s)
+        if slow:
             # persistence in one cause: a step slow in another component than the run's starts
             # a new run (random outliers land in random phases; a real slowdown stays put)
-            cause = self._step_cause(stats)
+            if cause is None:
+                cause = self._step_cause(stats)
             if self._run and cause is not self._run_cause:
                 self._run.clear()
             self._run_cause = cause
@@ -216,8 +189,9 @@ class StepGate:
         (StepGuard's fast path). None: no such bound now (fewer than three steps in the
         window: the next step may be the first one judged).
 
-        The time bound is the lower of ``slow_step_abs_s`` and the larger of
-        ``slow_step_factor`` x m and m + ``slow_step_floor_s``, m the
+        The time bound is the lower of ``slow_step_abs_s`` and m + ``slow_step_floor_s`` (with
+        ``slow_component_growth_steps``, under which a component may make a step slow from
+        there) or else the larger of ``slow_step_factor`` x m and that, m the
         ``(n - 1) // 2 - (num_steps - 1)``-th smallest of the window's n totals (the spread term
         only raises a threshold, so leaving it out keeps the bound safe): after j <
         num_steps more steps enter the window (j evicted, or none while it fills) its median is
@@ -232,8 +206,12 @@ class StepGate:
         cfg = self.config
         index = (n - 1) // 2 - (num_steps - 1)
         low_s = totals[index] if index >= 0 else 0.0
-        bound_s = max(cfg.slow_step_factor * low_s, low_s + cfg.slow_step_floor_s) \
-            if index >= 0 else 0.0
+        if index < 0:
+            bound_s = 0.0
+        elif cfg.slow_component_growth_steps > 0:   # a component may make a step slow from
+            bound_s = low_s + cfg.slow_step_floor_s  # the floor on
+        else:
+            bound_s = max(cfg.slow_step_factor * low_s, low_s + cfg.slow_step_floor_s)
         if cfg.slow_step_abs_s is not None:
             bound_s = min(bound_s, cfg.slow_step_abs_s)
         quiet_frac = (cfg.memory_watermark_frac - cfg.memory_hysteresis_frac
@@ -347,8 +325,8 @@ class StepGate:
                  (median_s + cfg.slow_step_floor_s,
                   f"recent median {median_s:.4f} s + floor {cfg.slow_step_floor_s:g} s"),
                  (median_s + cfg.slow_step_mad_k * sigma_s,
-                  f"recent median {median_s:.4f} s + {cfg.slow_step_mad_k:g} x robust spread "
-                  f"{sigma_s:.4f} s")]
+                  (f"recent median {median_s:.4f} s + {cfg.slow_step_mad_k:g} x robust spread "
+                   f"{sigma_s:.4f} s"))]
         return max(terms, key=lambda t: t[0])[1]
 
     def _persistence(self, step: int) -> int:
@@ -369,15 +347,31 @@ class StepGate:
     def _step_cause(self, stats: StepStats) -> Cause:
         """The component of one slow step that grew most over its median in the window
         (UNKNOWN when none grew: the untimed rest of the step did)."""
-        window = self._window
-        if not window:
-            return Cause.UNKNOWN
-        best, cause = 0.0, Cause.UNKNOWN
+        return self._most_grown(stats)[0]
+
+    def _most_grown(self, stats: StepStats) -> tuple[Cause, float, list[float]]:
+        """(cause, growth in seconds, the window's values) of the component that grew most
+        over its window median; (UNKNOWN, 0, []) when none grew."""
+        best: tuple[Cause, float, list[float]] = (Cause.UNKNOWN, 0.0, [])
         for c, _, get in _COMPONENTS:
-            growth = get(stats) - statistics.median([get(s) for s in window])
-            if growth > best:
-                best, cause = growth, c
-        return cause
+            values = [get(s) for s in self._window]
+            growth = get(stats) - statistics.median(values) if values else 0.0
+            if growth > best[1]:
+                best = (c, growth, values)
+        return best
+
+    def _component_slow(self, stats: StepStats, median_s: float) -> tuple[Cause, bool]:
+        """Whether the component that grew most grew past ``slow_component_growth_steps``
+        median steps, the floor and ``slow_step_mad_k`` of its own robust spreads."""
+        cfg = self.config
+        cause, growth_s, values = self._most_grown(stats)
+        if cause is Cause.UNKNOWN:
+            return cause, False
+        line_s = max(cfg.slow_step_floor_s, cfg.slow_component_growth_steps * median_s)
+        if growth_s <= line_s:
+            return cause, False
+        part_median = statistics.median(values)
+        return cause, growth_s > cfg.slow_step_mad_k * robust_sigma(values, part_median)
 
     def _slow_step_decision(self, stats: StepStats, threshold_s: float) -> Decision:
         rule = self._rule_text(threshold_s)
@@ -386,8 +380,14 @@ class StepGate:
         cause, detail = attribute_slow_steps(self._run, baseline)
         first, last = self._run[0].step, self._run[-1].step
         run_median = statistics.median(s.total_s for s in self._run)
+        if run_median > threshold_s:
+            why = f"median {run_median:.4f} s > {threshold_s:.4f} s, {rule}"
+        else:
+            why = (f"median {run_median:.4f} s, its {cause.value} grown by more than "
+                   f"{self.config.slow_component_growth_steps:g} median step(s), the floor and "
+                   f"{self.config.slow_step_mad_k:g} robust spreads of its own")
         reason = (f"rank {stats.world_rank} steps {first}-{last}: {len(self._run)} slow steps in "
-                  f"a row (median {run_median:.4f} s > {threshold_s:.4f} s, {rule}); {detail}")
+                  f"a row ({why}); {detail}")
         return self._decide(Action.SLOW_STEP, cause, reason, num_steps=len(self._run),
                             threshold_s=threshold_s, median_s=run_median)
 
