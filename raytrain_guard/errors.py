@@ -62,6 +62,8 @@ def check_int(field: str, value: object, *, at_least: int = 0, fix: str = "",
         except ValueError:
             pass   # not a whole number: refused below, with the text as given
     if isinstance(number, bool) or not isinstance(number, int) or number < at_least:
-        raise error(field, f"must be an integer >= {at_least}", value=value,
+        # InputError leaves a None value out; here None is the value given, so it is shown
+        got_none = " (got None)" if value is None else ""
+        raise error(field, f"must be an integer >= {at_least}{got_none}", value=value,
                     fix=fix or f"set {field} to an integer >= {at_least}")
     return number

@@ -44,3 +44,12 @@ def test_text_that_is_no_integer_in_range_is_refused_in_the_same_words(text):
                   fix="pass --workers as a positive integer, e.g. --workers 8")
     assert str(err.value) == (f"--workers: must be an integer >= 1 (got {text!r}); pass "
                               "--workers as a positive integer, e.g. --workers 8")
+
+
+def test_a_none_is_shown_as_the_value_given():
+    # InputError leaves a None value out of its line; check_int still says what it got
+    with pytest.raises(InputError) as err:
+        check_int("micro_batch", None, at_least=1, fix="pass the DataLoader's batch_size")
+    assert err.value.value is None
+    assert str(err.value) == ("micro_batch: must be an integer >= 1 (got None); pass the "
+                              "DataLoader's batch_size")
