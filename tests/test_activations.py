@@ -144,6 +144,10 @@ def test_analytic_entry_point_feeds_estimate():
     (dict(SMALL, heads=5), "heads"),
     (dict(SMALL, layers=0), "layers"),
     (dict(SMALL, num_kv_heads=3), "num_kv_heads"),
+    (dict(SMALL, num_kv_heads=0), "num_kv_heads"),
+    (dict(SMALL, num_kv_heads=2.0), "num_kv_heads"),    # 4 % 2.0 == 0, but a float kv_dim
+    (dict(SMALL, ffn_hidden=256.0), "ffn_hidden"),
+    (dict(SMALL, vocab=True), "vocab"),
 ])
 def test_bad_shapes_name_the_field(kwargs, field):
     with pytest.raises(PlanInputError) as err:

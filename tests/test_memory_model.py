@@ -290,6 +290,7 @@ def test_strings_and_enums_are_the_same_setup():
     ({"micro_batch": 0}, "micro_batch"),
     ({"grad_accum": -1}, "grad_accum"),
     ({"world_size": 1.5}, "world_size"),
+    ({"micro_batch": True}, "micro_batch"),
     ({"strategy": "zero2"}, "strategy"),
     ({"precision": "fp16"}, "precision"),
     ({"optimizer": "lion"}, "optimizer"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from raytrain_guard.core.memory_model import PARAM_BYTES, Precision, coerce_enum
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
-from raytrain_guard.errors import PlanInputError
+from raytrain_guard.errors import PlanInputError, check_int
 
 
 class Recompute(str, enum.Enum):
@@ -79,20 +79,21 @@ class TransformerShape:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanInputError(name, "must be a positive integer", value=value,
-                                     fix=f"pass --{name.replace('_', '-')} as a whole number >= 1")
+            check_int(name, getattr(self, name), at_least=1, error=PlanInputError,
+                      fix=f"pass --{name.replace('_', '-')} as a whole number >= 1")
+        if self.num_kv_heads is not None:
+            check_int("num_kv_heads", self.num_kv_heads, at_least=1, error=PlanInputError,
+                      fix="omit it for one per head (no grouped-query attention)")
+        if self.ffn_hidden is not None:
+            check_int("ffn_hidden", self.ffn_hidden, at_least=1, error=PlanInputError,
+                      fix="omit it for 4 x hidden")
         if self.hidden % self.heads:
             raise PlanInputError("heads", f"must divide hidden={self.hidden}", value=self.heads,
                                  fix="choose a head count that divides the hidden size")
         kv = self.num_kv_heads if self.num_kv_heads is not None else self.heads
-        if kv < 1 or self.heads % kv:
+        if self.heads % kv:
             raise PlanInputError("num_kv_heads", f"must divide heads={self.heads}", value=kv,
                                  fix="choose a key/value head count that divides the heads")
-        if self.ffn_hidden is not None and self.ffn_hidden < 1:
-            raise PlanInputError("ffn_hidden", "must be a positive integer",
-                                 value=self.ffn_hidden, fix="omit it for 4 x hidden")
         norm = self.norm if self.norm is not None else (
             Norm.LAYERNORM if self.bias else Norm.RMSNORM)
         object.__setattr__(self, "norm", coerce_enum(Norm, norm, "norm"))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.errors import PlanInputError
+from raytrain_guard.errors import PlanInputError, check_int
 from raytrain_guard.units import MiB, format_bytes
 
 
@@ -90,9 +90,8 @@ def recommend_bucket_cap(*, grad_bytes: int, config: GuardConfig,
                          bandwidth_curve: Sequence[tuple[int, float]] | None = None,
                          memory_slack_bytes: int | None = None) -> BucketPlan:
     """Recommend DDP's ``bucket_cap_mb`` for ``grad_bytes`` of gradients (see module rule)."""
-    if isinstance(grad_bytes, bool) or not isinstance(grad_bytes, int) or grad_bytes <= 0:
-        raise PlanInputError("grad_bytes", "must be a positive integer", value=grad_bytes,
-                             fix="pass the trainable parameters' gradient bytes")
+    check_int("grad_bytes", grad_bytes, at_least=1, error=PlanInputError,
+              fix="pass the trainable parameters' gradient bytes")
     if memory_slack_bytes is not None and memory_slack_bytes < 0:
         raise PlanInputError("memory_slack_bytes", "must be >= 0", value=memory_slack_bytes,
                              fix="pass the free device memory left by the plan, or None")

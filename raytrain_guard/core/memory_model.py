@@ -16,7 +16,7 @@ from typing import Mapping
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
-from raytrain_guard.errors import PlanInputError
+from raytrain_guard.errors import PlanInputError, check_int
 from raytrain_guard.units import MiB
 
 
@@ -129,10 +129,8 @@ class TrainingSetup:
         object.__setattr__(self, "optimizer",
                            coerce_enum(OptimizerKind, self.optimizer, "optimizer"))
         for name in ("micro_batch", "grad_accum", "world_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanInputError(name, "must be a positive integer", value=value,
-                                     fix=f"set {name} to 1 or more")
+            check_int(name, getattr(self, name), at_least=1, error=PlanInputError,
+                      fix=f"set {name} to 1 or more")
         if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0:
             raise PlanInputError("bucket_cap_mb", "must be a positive number of MiB",
                                  value=self.bucket_cap_mb, fix="DDP's default is 25")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from raytrain_guard.errors import check_int
+
 THROTTLE_REASONS = ("thermal", "power", "slowdown")
 """Clock throttle reasons the monitor reports (NVML's thermal, power-cap/brake and HW slowdown)."""
 
@@ -147,6 +149,15 @@ def _opt_ints(x: Any) -> tuple[int, ...] | None:
     return None if x is None else tuple(int(v) for v in x)
 
 
+def _reported_int(d: Mapping[str, Any], key: str, *, at_least: int) -> int | None:
+    """A rank's ``setup[key]``: None when it does not say, else an integer >= ``at_least``
+    (an InputError, so a ValueError, for a malformed report)."""
+    v = d.get(key)
+    return None if v is None else check_int(
+        f"setup {key}", v, at_least=at_least,
+        fix=f"report {key} as an integer >= {at_least}, or leave it out")
+
+
 #: what a rank may say it runs on: "simulated" is a card simulated on CPU (the experiment's)
 DEVICES = ("cuda", "cpu", "simulated")
 
@@ -180,16 +191,10 @@ class RunSetup:
             return cls()
         values: dict[str, Any] = {}
         for key in ("micro_batch", "grad_accum", "prefetch_factor"):
-            v = d.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"setup {key} must be a positive integer, got {v!r}")
-            values[key] = v
+            values[key] = _reported_int(d, key, at_least=1)
         for key in ("device_index", "allocated_bytes", "reserved_bytes", "device_total_bytes",
                     "num_workers", "batch_bytes"):
-            v = d.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"setup {key} must be an integer >= 0, got {v!r}")
-            values[key] = v
+            values[key] = _reported_int(d, key, at_least=0)
         device = d.get("device")
         if device is not None and device not in DEVICES:
             raise ValueError(f"setup device must be one of {', '.join(DEVICES)}, got {device!r}")

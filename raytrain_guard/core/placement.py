@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from raytrain_guard.errors import PlanInputError
+from raytrain_guard.errors import PlanInputError, check_int
 
 #: Ray Train's default resources per worker (``ScalingConfig``): 1 CPU, and 1 GPU with
 #: ``use_gpu=True``
@@ -66,9 +66,8 @@ def place_workers(nodes: Sequence[NodeResources], *, num_workers: int, use_gpu: 
     """Spread ``num_workers`` over ``nodes`` as Ray's PACK placement would and return the
     tightest node's machine (see the module docstring). Workers that fit nowhere are counted
     on the node with the most room, with a warning (Ray would wait for resources)."""
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise PlanInputError("num_workers", "must be a positive integer", value=num_workers,
-                             fix="pass the run's number of workers")
+    check_int("num_workers", num_workers, at_least=1, error=PlanInputError,
+              fix="pass the run's number of workers")
     if not nodes:
         raise PlanInputError("nodes", "no alive node to place workers on", value=0,
                              fix="start the cluster's nodes, or plan without Ray")

@@ -46,7 +46,7 @@ from raytrain_guard.core.memory_model import (
     estimate,
 )
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
-from raytrain_guard.errors import PlanInputError
+from raytrain_guard.errors import PlanInputError, check_int
 from raytrain_guard.units import MiB, format_bytes
 
 #: the micro-batch search stops here (activations that small per sample are a profile error)
@@ -360,8 +360,7 @@ def _check_inputs(device_memory_bytes, gpus_per_node, global_batch, batch_bytes,
             ("batch_bytes", batch_bytes, "give one batch's bytes, or leave it out")):
         if value is None and name in ("global_batch", "batch_bytes"):
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise PlanInputError(name, "must be a positive integer", value=value, fix=fix)
+        check_int(name, value, at_least=1, error=PlanInputError, fix=fix)
     if sample_bytes is not None and not sample_bytes > 0:
         raise PlanInputError("sample_bytes", "must be positive", value=sample_bytes,
                              fix="give one sample's bytes, or leave it out")
