@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from raytrain_guard import factories
 from raytrain_guard.core.memory_model import OptimizerKind, Precision, coerce_enum
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
-from raytrain_guard.errors import TraceError
+from raytrain_guard.errors import TraceError, check_int
 from raytrain_guard.runtime.model import wrap_units
 
 log = logging.getLogger(__name__)
@@ -81,11 +81,13 @@ def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Ca
     start = clock()
     precision = coerce_enum(Precision, precision, "precision", error=TraceError)
     optimizer = coerce_enum(OptimizerKind, optimizer, "optimizer", error=TraceError)
-    if micro_batches is not None and not (
-            len(micro_batches) == 2 and all(isinstance(b, int) and b > 0 for b in micro_batches)
-            and micro_batches[0] != micro_batches[1]):
-        raise TraceError("micro_batches", "must be two different positive integers",
-                         value=micro_batches, fix="e.g. (1, 2), or leave it out for (b0, 2 b0)")
+    if micro_batches is not None:
+        fix = "e.g. (1, 2), or leave it out for (b0, 2 b0)"
+        if len(micro_batches) != 2 or micro_batches[0] == micro_batches[1]:
+            raise TraceError("micro_batches", "must be two different positive integers",
+                             value=micro_batches, fix=fix)
+        for i, b in enumerate(micro_batches):
+            check_int(f"micro_batches[{i}]", b, at_least=1, error=TraceError, fix=fix)
     build_model = load_object(model_factory, field_name="model")
     build_sample = load_object(sample_factory, field_name="sample")
     loss_fn = load_object(loss, field_name="loss") if loss is not None else None

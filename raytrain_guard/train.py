@@ -32,7 +32,7 @@ from raytrain_guard.cluster.launcher import (
     worker_range,
 )
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.errors import InputError
+from raytrain_guard.errors import InputError, check_int
 from raytrain_guard.runtime.dropin_summary import combine_summaries
 from raytrain_guard.runtime.worker_guard import (
     WorkerGuard,
@@ -94,11 +94,9 @@ class GuardOptions:
             raise InputError("guard.config", "must be a GuardConfig", value=type(self.config)
                              .__name__, fix="pass GuardConfig(...) or a dict of its fields")
         if self.model_factory is not None:
-            if self.micro_batch is None or isinstance(self.micro_batch, bool) or \
-                    not isinstance(self.micro_batch, int) or self.micro_batch < 1:
-                raise InputError("guard.micro_batch", "must be an integer >= 1 to plan",
-                                 value=self.micro_batch,
-                                 fix="pass the DataLoader's batch_size, e.g. micro_batch=32")
+            check_int("guard.micro_batch", self.micro_batch, at_least=1,
+                      fix="the plan traces one micro-batch: pass the DataLoader's batch_size, "
+                          "e.g. micro_batch=32")
             if self.sample_factory is None and self.dataset_factory is None:
                 raise InputError("guard.sample_factory", "missing: the plan traces one batch",
                                  value=None, fix="pass sample_factory=() -> batch, or "

@@ -211,9 +211,12 @@ def test_an_elastic_range_needs_a_global_batch_every_size_shares_and_a_restart()
     from raytrain_guard.cluster.launcher import elastic_loop_config, worker_range
 
     assert worker_range(3) == (3, 3) and worker_range((1, 4)) == (1, 4)
-    for bad in (0, True, 2.0, (3, 2), (1, 2, 3), (0, 2)):
-        with pytest.raises(InputError, match="num_workers"):
+    for bad, field in ((0, "num_workers"), (True, "num_workers"), (2.0, "num_workers"),
+                       ((3, 2), "num_workers"), ((1, 2, 3), "num_workers"),
+                       ((0, 2), "num_workers[0]"), ((1, "4"), "num_workers[1]")):
+        with pytest.raises(InputError) as err:
             worker_range(bad)
+        assert err.value.field == field and err.value.fix == "e.g. 2, or (2, 4)"
     config = {"micro_batch": 2, "grad_accum": 3}
     assert elastic_loop_config(config, 1, 2, 1)["global_batch"] == 12   # at the most workers
     assert elastic_loop_config({**config, "global_batch": 12}, 2, 4, 1)["global_batch"] == 12

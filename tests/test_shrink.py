@@ -47,9 +47,11 @@ import examples.toy as toy   # noqa: E402
     (6, 2, {"micro_batch": 4, "grad_accum": 3}, 32, "does not divide the current 6"),
     (4, 2, {"micro_batch": 4, "grad_accum": 2}, 32, "not smaller than the current 4"),
     (4, 2, {"micro_batch": 8, "grad_accum": 1}, 32, "not smaller"),
-    (4, 2, {"grad_accum": 4}, 32, "params['micro_batch'] must be a positive integer, got None"),
-    (4, 2, {"micro_batch": 2.0, "grad_accum": 4}, 32, "params['micro_batch'] must be"),
-    (4, 2, {"micro_batch": 2, "grad_accum": True}, 32, "params['grad_accum'] must be"),
+    (4, 2, {"grad_accum": 4}, 32, "params['micro_batch']: must be an integer >= 1 (got None)"),
+    (4, 2, {"micro_batch": 2.0, "grad_accum": 4}, 32,
+     "params['micro_batch']: must be an integer >= 1 (got 2.0)"),
+    (4, 2, {"micro_batch": 2, "grad_accum": True}, 32,
+     "params['grad_accum']: must be an integer >= 1 (got True)"),
     # 4 x 2 -> 1 x 8, but 6 samples per rank hold only ceil(6 / 1) = 6 micro-batches < 8
     (4, 2, {"micro_batch": 1, "grad_accum": 8}, 6, "grad_accum 8 exceeds the 6 micro-batches"),
 ])

@@ -244,9 +244,15 @@ def test_wrap_units_never_returns_a_container_without_forward():
     assert [type(u).__name__ for u in units] == ["Linear", "Linear", "Linear", "LayerNorm"]
 
 
-def test_bad_micro_batches():
-    with pytest.raises(TraceError, match="micro_batches"):
-        trace_model("examples.models:mlp", "examples.models:mlp_batch", micro_batches=(4, 4))
+@pytest.mark.parametrize("micro_batches, field", [
+    ((4, 4), "micro_batches"), ((4,), "micro_batches"),
+    ((0, 2), "micro_batches[0]"), ((True, 2), "micro_batches[0]"), ((1, 2.0), "micro_batches[1]"),
+])
+def test_bad_micro_batches(micro_batches, field):
+    with pytest.raises(TraceError) as err:
+        trace_model("examples.models:mlp", "examples.models:mlp_batch",
+                    micro_batches=micro_batches)
+    assert err.value.field == field and err.value.fix.startswith("e.g. (1, 2)")
 
 
 # -- a sample that does not fit the model -----------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any, TextIO
 from raytrain_guard.cluster.client import ClusterDecisionSource
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action
-from raytrain_guard.errors import GuardError, InputError
+from raytrain_guard.errors import GuardError, InputError, check_int
 from raytrain_guard.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -376,12 +376,18 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
 def worker_range(num_workers: Any) -> tuple[int, int]:
     """``num_workers`` as Ray Train takes it (an integer, or ``(min, max)`` for an elastic
     run) -> ``(min, max)``; a bad value raises InputError naming it (pure)."""
-    values = num_workers if isinstance(num_workers, (tuple, list)) else (num_workers,) * 2
-    if len(values) != 2 or any(not isinstance(v, int) or isinstance(v, bool) or v < 1
-                               for v in values) or values[0] > values[1]:
-        raise InputError("num_workers", "must be an integer >= 1 or a (min, max) pair of them "
-                         "with min <= max", value=num_workers, fix="e.g. 2, or (2, 4)")
-    return values[0], values[1]
+    fix = "e.g. 2, or (2, 4)"
+    if not isinstance(num_workers, (tuple, list)):
+        count = check_int("num_workers", num_workers, at_least=1, fix=fix)
+        return count, count
+    if len(num_workers) != 2:
+        raise InputError("num_workers", "must be an integer or a (min, max) pair",
+                         value=num_workers, fix=fix)
+    fewest, most = (check_int(f"num_workers[{i}]", v, at_least=1, fix=fix)
+                    for i, v in enumerate(num_workers))
+    if fewest > most:
+        raise InputError("num_workers", "min must be <= max", value=num_workers, fix=fix)
+    return fewest, most
 
 
 def elastic_loop_config(train_loop_config: Mapping[str, Any], fewest: int, most: int,

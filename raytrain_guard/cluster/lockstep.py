@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from raytrain_guard.core.decisions import Decision
-from raytrain_guard.errors import InputError
+from raytrain_guard.errors import check_int
 from raytrain_guard.runtime.control_plane import NO_DECISION, ControlPlane, shared_control_plane
 
 logger = logging.getLogger(__name__)
@@ -146,10 +146,8 @@ class Lockstep:
     applied: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.every_steps, bool) or not isinstance(self.every_steps, int) \
-                or self.every_steps < 1:
-            raise InputError("lockstep_every_steps", "must be an integer >= 1",
-                             value=self.every_steps, fix="set GuardConfig.lockstep_every_steps")
+        check_int("lockstep_every_steps", self.every_steps, at_least=1,
+                  fix="set GuardConfig.lockstep_every_steps")
 
     def offer(self, decisions: Iterable[Decision]) -> None:
         """Decisions this rank heard of; held until the next agreement boundary."""

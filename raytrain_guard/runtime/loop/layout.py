@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from raytrain_guard.core.decisions import Decision
-from raytrain_guard.errors import InputError
+from raytrain_guard.errors import InputError, check_int
 
 logger = logging.getLogger("raytrain_guard.runtime.train_loop")
 
@@ -24,10 +24,12 @@ def shrink_verdict(micro_batch: int, grad_accum: int, params: Mapping[str, Any],
     an epoch of ``samples_per_rank`` still holds ``new_ga`` micro-batches. Pure: every rank
     computes the same verdict from the same figures.
     """
-    mb, ga = params.get("micro_batch"), params.get("grad_accum")
-    for name, value in (("micro_batch", mb), ("grad_accum", ga)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            return f"params[{name!r}] must be a positive integer, got {value!r}"
+    try:
+        mb, ga = (check_int(f"params[{name!r}]", params.get(name), at_least=1,
+                            fix="a shrink carries the new micro_batch and grad_accum")
+                  for name in ("micro_batch", "grad_accum"))
+    except InputError as err:
+        return str(err)
     if mb >= micro_batch:
         return f"micro_batch {mb} is not smaller than the current {micro_batch}"
     if micro_batch % mb:
