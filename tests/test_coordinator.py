@@ -228,7 +228,7 @@ def test_attempts_are_issued_without_clocks_and_adopted_after_a_restart():
 
 def test_reports_as_rows_in_step_field_order():
     from raytrain_guard.cluster.client import _row
-    from raytrain_guard.cluster.coordinator import STEP_FIELDS
+    from raytrain_guard.cluster.coordinator_reports import STEP_FIELDS
     s = StepStats(step=4, total_s=1.0, data_wait_s=0.1, forward_s=0.2, backward_s=0.3,
                   comm_wait_s=0.15, optimizer_s=0.05, memory_frac=0.5, world_rank=1)
     assert _row(s) == tuple(getattr(s, f) for f in STEP_FIELDS)   # the client's row order
