@@ -2,54 +2,9 @@
 
 :func:`decide` is a pure function of a :class:`ClusterView` (every rank's recent StepStats and
 every node monitor's latest sample), the previous :class:`PolicyState`, the config and the step
-the decisions would apply at (``next_apply_step``: the lockstep layer's rule chooses it; see
-:func:`default_apply_step`). It returns a :class:`PolicyOutcome`: the new decisions (ids are
-given by the coordinator), the new state, the straggler scores and notes for the status page.
-
-Device memory is each rank's own reading and the NVML reading of the GPUs that hold this
-run's workers (:func:`run_gpus`: another job's GPU on a shared node does not count; when the
-pids cannot tell, every GPU counts and a note says so).
-
-Rules, in order (the device-memory rules first; host, straggler and pacing rules are
-independent):
-
-1. Stop: the worst device memory is at or above the watermark and its linear trend, projected
-   to ``next_apply_step + lockstep_every_steps``, reaches ``oom_stop_frac``
-   -> CHECKPOINT_AND_STOP on all ranks. After it the policy decides nothing more.
-2. At or above ``memory_watermark_frac``, every candidate is priced (``core.effects``) with the
-   planner's memory model on the run's plan (``ClusterView.plan``) and the worst rank's
-   readings: a cache release (only on CUDA, only when the rank's allocator holds at least
-   ``cache_release_min_frac`` of the card cached but unallocated, predicted to free
-   reserved - allocated less what the next step's peak re-reserves) and a micro-batch shrink
-   (half the micro-batch, twice the accumulation: the global batch is unchanged; under FSDP
-   with last-micro-batch sync it can RAISE the peak; weighed from the watermark on, since at
-   ``memory_critical_frac`` the rank's own gate checkpoints and stops). The cheapest one predicted to bring the rank under the re-arm line
-   (watermark - hysteresis) is decided, with its ``predicted`` effect; at critical with none,
-   CHECKPOINT_AND_STOP (the predictions in its reason). An action the coordinator measured
-   below ``effect_min_share`` of its prediction (``PolicyState.missed``) is not a candidate
-   any more: the policy escalates.
-   A release is not decided again on a steady reading: only after the coordinator measured the
-   last one a hit (``release_armed``), or once memory fell under the re-arm line. Fail-open,
-   without allocator figures or a plan: a release once per crossing of the watermark, and a
-   shrink at critical after a judged release (or at once on CPU), unpriced, as before issue 11.
-   At critical, an action still in its cooldown is awaited before escalating.
-3. Host memory: a node at or above ``host_memory_watermark_frac`` -> SET_PREFETCH on that node
-   with half its prefetch factor (at least 1), priced when its ranks report ``num_workers`` and
-   ``batch_bytes``.
-4. Straggler (:func:`~raytrain_guard.core.straggler.persistent_slowdowns`): a rank slower in
-   data or compute (or, when none is, communication) than the per-step reference at each of
-   ``num_slow_steps`` consecutive steps among the last ``report_every_steps`` steps every rank
-   reported, by the largest of ``straggler_frac`` of the median
-   step, ``slow_step_floor_s`` and ``slow_step_mad_k`` robust spreads -> FLAG_STRAGGLER naming
-   the rank and its GPU; the node instead when every rank of a node is slow (a one-rank node:
-   the node, with its GPU). Recommendations: check a GPU's clocks and throttle reasons, a rank's input pipeline,
-   a node's link, or drain a node (never the only node of the run). Once until it recovers.
-5. Pace (only with ``pacing_enabled``): against communication backpressure only, the wait
-   rising on every rank -> PACE with ``pacing_delay_s``; off again once it is gone (after the
-   cooldown). Never as a memory remedy: a sleep before a synchronous step lowers no peak.
-
-An action is not repeated (nor escalated) until ``decision_cooldown_steps`` steps after its
-apply step have been reported, so each decision is judged on statistics that show its effect.
+the decisions would apply at; it returns a :class:`PolicyOutcome` (decisions, new state,
+straggler scores, notes). The rules, in order (stop, priced memory remedies, host memory,
+stragglers, pacing): docs/coordination.md ("The coordinator's policy").
 """
 
 from __future__ import annotations
