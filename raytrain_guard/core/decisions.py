@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 
 class Action(str, enum.Enum):
@@ -58,9 +59,14 @@ class Decision:
     predicted: Mapping[str, Any] | None = None
     measured: Mapping[str, Any] | None = None
 
-    def at(self, step: int) -> "Decision":
+    def at(self, step: int) -> Decision:
         """The same decision, scheduled at ``step``."""
         return dataclasses.replace(self, step=step, params=dict(self.params))
+
+    def concerns(self, node_id: str) -> bool:
+        """Whether the ranks of node ``node_id`` act on it: a ``node:<id>`` decision only
+        there; rank and cluster decisions everywhere."""
+        return not self.scope.startswith("node:") or self.scope[len("node:"):] == node_id
 
     def to_dict(self) -> dict[str, Any]:
         return {"action": self.action.value, "reason": self.reason, "step": self.step,
@@ -70,7 +76,7 @@ class Decision:
                 "measured": None if self.measured is None else dict(self.measured)}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Decision":
+    def from_dict(cls, d: Mapping[str, Any]) -> Decision:
         predicted, measured = d.get("predicted"), d.get("measured")
         return cls(Action(d["action"]), str(d["reason"]), d.get("step"),
                    Cause(d.get("cause", "unknown")), str(d.get("scope", "rank")),

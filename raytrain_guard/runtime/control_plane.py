@@ -50,7 +50,7 @@ class ControlPlane:
         return group
 
     @classmethod
-    def for_default_group(cls) -> "ControlPlane":
+    def for_default_group(cls) -> ControlPlane:
         """The plane of the initialised default group (a new gloo side group when its backend
         is not gloo: a collective call, every rank must make it at the same point); a world of
         one rank when torch.distributed is not initialised."""
@@ -69,6 +69,16 @@ class ControlPlane:
         self.agreed_stop = bool(stop)
         self.num_rounds += 1
         return newest
+
+    def stop_agreed(self, rounds_before: int, *, check_now: bool) -> bool:
+        """Whether the ranks agreed to stop at this boundary: a round ran since
+        ``rounds_before`` (a lockstep exchange carried the flag), or ``check_now`` runs one
+        here. The same answer on every rank: each round is a collective."""
+        if self.num_rounds == rounds_before:
+            if not check_now:
+                return False
+            self.agree()
+        return self.agreed_stop
 
     def all_reduce_max(self, first: int, second: int) -> tuple[int, int]:
         """The one method that touches torch.distributed: ``all_reduce(MAX)`` of two int64

@@ -13,7 +13,6 @@ they run at the same steps on every rank.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
@@ -49,7 +48,6 @@ class StepBoundary:
         self.pending: list[Decision] = []      # from the source, due at a later step
         self.decision_log: list[dict[str, Any]] = []
         self._local_stop: Decision | None = None
-        self._last_release_s: float | None = None
         self._every = (config.report_every_steps, config.lockstep_every_steps)
 
     def end_step(self) -> None:
@@ -91,21 +89,17 @@ class StepBoundary:
         due, self.pending = due_at(step, self.pending, polled)
         stop = None
         for decision in due:
-            mine = self._concerns_me(decision)
+            mine = decision.concerns(self.node_id)
             self._record(step, decision, applied=mine)
             if mine:
                 self._apply(decision)
                 now.append(decision)
             if decision.action is Action.CHECKPOINT_AND_STOP and stop is None:
                 stop = decision.reason
-        if stop is None:
-            agreed = control.num_rounds != rounds_before
-            if not agreed and step % self.config.lockstep_every_steps == 0:
-                control.agree()
-                agreed = True
-            if agreed and control.agreed_stop:
-                stop = self._local_stop.reason if self._local_stop is not None \
-                    else OTHER_RANK_STOP
+        if stop is None and control.stop_agreed(
+                rounds_before, check_now=step % self.config.lockstep_every_steps == 0):
+            stop = self._local_stop.reason if self._local_stop is not None \
+                else OTHER_RANK_STOP
         if stop is not None and self.stop_reason is None:
             self.stop_reason, self.stopped_at = stop, step
             self.checkpoint_now = True
@@ -117,20 +111,13 @@ class StepBoundary:
             return True
         return any(d.step is not None and d.step <= step for d in self.pending)
 
-    def _concerns_me(self, decision: Decision) -> bool:
-        scope = decision.scope
-        return not scope.startswith("node:") or scope[len("node:"):] == self.node_id
-
     def _apply(self, decision: Decision) -> None:
         """Apply what the guard can apply itself; the rest is the loop's (``decisions()``)."""
         from raytrain_guard.runtime.cache_release import release_cache
 
         action, safe = decision.action, self._fail_open.call
         if action is Action.RELEASE_CACHE:
-            now = time.monotonic()
-            if self._last_release_s is None or \
-                    now - self._last_release_s >= self.config.release_cache_min_interval_s:
-                self._last_release_s = now
+            if self.step_guard.gate.claim_release():   # one spacing with the gate's releases
                 safe("release_cache", release_cache)
         elif action is Action.PACE:
             safe("pace", self.step_guard.set_pace, decision.params.get("delay_s", 0.0))

@@ -10,8 +10,6 @@ from raytrain_guard.errors import InputError
 
 logger = logging.getLogger("raytrain_guard.runtime.train_loop")
 
-
-
 _OTHER_RANK_STOP = "another rank's gate asked to checkpoint and stop"
 
 
@@ -42,7 +40,7 @@ class DecisionsMixin:
         due, self.pending = due_at(step, self.pending, polled)
         stop = False
         for decision in due:
-            self._record(step, decision, applied=act and self._concerns_me(decision))
+            self._record(step, decision, applied=act and decision.concerns(self.ctx.node_id))
             if not act:
                 continue
             checkpoint_now |= self._apply_cluster(decision)
@@ -51,13 +49,7 @@ class DecisionsMixin:
             self.stop_reason = next(d.reason for d in due
                                     if d.action is Action.CHECKPOINT_AND_STOP)
         else:
-            # a lockstep exchange at this boundary already carried the stop flag (the same
-            # on every rank: it is a collective); else the loop's own round at a check step
-            agreed = control.num_rounds != rounds_before
-            if not agreed and step % cfg.every_stop_check == 0:
-                control.agree()
-                agreed = True
-            if agreed and control.agreed_stop:
+            if control.stop_agreed(rounds_before, check_now=step % cfg.every_stop_check == 0):
                 stop = True
                 self.stop_reason = (self._local_stop.reason if self._local_stop is not None
                                     else _OTHER_RANK_STOP)
@@ -71,18 +63,12 @@ class DecisionsMixin:
             self._checkpoint({"kind": "periodic"})
         return False
 
-    def _concerns_me(self, decision: Decision) -> bool:
-        """Whether this rank acts on ``decision``: a ``node:<id>`` decision only on the ranks of
-        that node (the worker context's node id); rank and cluster decisions everywhere."""
-        scope = decision.scope
-        return not scope.startswith("node:") or scope[len("node:"):] == self.ctx.node_id
-
     def _apply_cluster(self, decision: Decision) -> bool:
         """Apply a decision from the decision source; True when it asks for a checkpoint."""
         from raytrain_guard.runtime.cache_release import release_cache
 
         action = decision.action
-        if not self._concerns_me(decision):
+        if not decision.concerns(self.ctx.node_id):
             logger.debug("rank %d (node %s): %s is not for this node", self.rank,
                          self.ctx.node_id, decision)
             return False
