@@ -361,11 +361,13 @@ class StepGate:
         return best
 
     def _component_slow(self, stats: StepStats, median_s: float) -> tuple[Cause, bool]:
-        """Whether the component that grew most grew past ``slow_component_growth_steps``
-        median steps, the floor and ``slow_step_mad_k`` of its own robust spreads."""
+        """Whether the rank's own work that grew most (data wait or compute) grew past
+        ``slow_component_growth_steps`` median steps, the floor and ``slow_step_mad_k`` of its
+        own robust spreads. Not communication wait: it adds to the whole step undiminished,
+        which the whole-step rule weighs already."""
         cfg = self.config
         cause, growth_s, values = self._most_grown(stats)
-        if cause is Cause.UNKNOWN:
+        if cause not in (Cause.DATA, Cause.COMPUTE):
             return cause, False
         line_s = max(cfg.slow_step_floor_s, cfg.slow_component_growth_steps * median_s)
         if growth_s <= line_s:
