@@ -15,7 +15,7 @@ order, the same work as gate_overhead.py:
   the forward and backward marks, end_step: the shared train loop's calls.
 
 Every guard call and every batch fetch is timed with perf_counter around it; the memory
-probe's reads and the gate batches (StepGuard._flush) are timed inside end_step by wrapping
+probe's reads and the gate batches (GateFeed.flush) are timed inside end_step by wrapping
 them. Printed per loop: the mean per step of each part (the probe and the gate batch are
 inside end_step: shown per read and per batch, and per step), the fetch against plain's,
 and the guard's in-loop cost per step: its calls plus its fetch minus plain's fetch, less
@@ -67,7 +67,7 @@ def timed_guard(config: GuardConfig) -> tuple[StepGuard, TimedProbe, list[float]
     probe = TimedProbe(ProcessMemoryProbe(config))
     guard = StepGuard(config, probe=probe)
     batches: list[float] = []
-    flush = guard._flush
+    flush = guard.feed.flush
 
     def timed_flush():
         t0 = clock()
@@ -75,7 +75,7 @@ def timed_guard(config: GuardConfig) -> tuple[StepGuard, TimedProbe, list[float]
         batches.append(clock() - t0)
         return out
 
-    guard._flush = timed_flush
+    guard.feed.flush = timed_flush
     return guard, probe, batches
 
 

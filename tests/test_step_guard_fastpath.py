@@ -102,7 +102,7 @@ def test_quiet_steps_reach_the_gate_in_batches_and_decisions_keep_their_step():
     # drain_stats gives every step, in order, without feeding the waiting ones to the gate;
     # reading the gate feeds them: every step reaches it once
     stats = guard.drain_stats()
-    assert gate.num_observed + len(guard._buffer) == len(TOTALS) and guard._buffer
+    assert gate.num_observed + guard.feed.num_waiting == len(TOTALS) and guard.feed.num_waiting
     assert guard.gate.num_observed == len(TOTALS)
     assert [s.step for s in stats][-50:] == list(range(30, 80))
     assert [s.total_s for s in stats][-50:] == pytest.approx(TOTALS[30:])
@@ -114,7 +114,7 @@ def test_drain_and_state_dict_see_buffered_steps():
     guard = StepGuard(config, timer=StepTimer(clock=clock))
     for step in range(45):
         assert _step(guard, clock, step) == []
-    assert guard._buffer                    # quiet steps are waiting (45 is no multiple of 10)
+    assert guard.feed.num_waiting           # quiet steps are waiting (45 is no multiple of 10)
     assert [s.step for s in guard.drain_stats()][-1] == 44
     assert guard.state_dict()["gate"]["num_seen"] == 45
 
@@ -224,7 +224,7 @@ def test_waiting_steps_are_capped_by_the_window():
             fed_at.append(step)
     late = [s for s in fed_at if s >= 40]
     assert late == list(range(40, 80, 5))
-    assert gate.num_observed + len(guard._buffer) == 80
+    assert gate.num_observed + guard.feed.num_waiting == 80
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -73,7 +73,7 @@ class RecordingSource:
         self.finished: list[int] | None = None              # steps handed to finish()
 
     def poll(self, step, stats):
-        self.polls.append((step, [s.step for s in stats], len(self.loop.guard._buffer)))
+        self.polls.append((step, [s.step for s in stats], self.loop.guard.feed.num_waiting))
         due = self.inner.poll(step, stats) if self.inner is not None else []
         return due + self.script.get(step, [])
 
