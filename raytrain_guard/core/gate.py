@@ -26,7 +26,7 @@ from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import StragglerScore, TimingSummary, score_summaries, summarize
 from raytrain_guard.errors import InputError
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 _MIN_MEDIAN_POINTS = 3      # a median of fewer than three steps is one of them, not a baseline
 MAX_PERSISTENCE_FACTOR = 3
 """Adaptive persistence asks at most 3 x ``num_slow_steps`` slow steps (9 by default): a box
@@ -251,14 +251,13 @@ class StepGate:
                              maxlen=self.config.memory_trend_steps)
         self._run = [StepStats.from_dict(d) for d in state["run"]]
         self._run_reported = bool(state["run_reported"])
-        run_cause = state.get("run_cause")       # absent in states saved before issue 11
+        run_cause = state["run_cause"]
         self._run_cause = None if run_cause is None else Cause(run_cause)
-        self._streak = int(state.get("streak", 0))
-        self._ended_runs = deque((int(a), int(b)) for a, b in state.get("ended_runs", ()))
+        self._streak = int(state["streak"])
+        self._ended_runs = deque((int(a), int(b)) for a, b in state["ended_runs"])
         self._num_seen = int(state["num_seen"])
         self._armed = bool(state["armed"])
-        self._stopped = False              # a resumed run is protected anew (older states
-                                           # carry "stopped"; it is ignored on purpose)
+        self._stopped = False              # a resumed run is protected anew (see state_dict)
         self._pacing = bool(state["pacing"])
         self._next_id = int(state["next_id"])
         self._last_release_s = None
