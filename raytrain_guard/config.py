@@ -216,11 +216,11 @@ class GuardConfig:
         "hang_floor_s, whichever is longer) is a hang. Default 20: a step 20 times its median "
         "is no slowdown the step gate would act on.", 1.0)
 
-    # -- noise and effects (issue 11: decisions that know their effect) ----------------------
+    # -- noise and effects: decisions that know their effect -----------------------------------
     slow_step_floor_s: float = _doc(
         0.002, "Absolute floor under a slowdown: a step is slow only when it exceeds the recent "
         "median by at least this many seconds, and a rank is a straggler only when it adds at "
-        "least this much per step over the reference rank. Default 2 ms: issue 11's clean "
+        "least this much per step over the reference rank. Default 2 ms: a clean "
         "2-rank CPU run flagged a rank for 0.4 ms of a 4 ms step; clean CPU steps measured on "
         "the 2-core CI box jitter by 0.04-0.16 ms (MAD), and the smallest slowdown the guard "
         "must name (x2.5 compute on a 3 ms step) adds 4.5 ms.", 0.0)
@@ -241,7 +241,7 @@ class GuardConfig:
     slow_step_adaptive_persistence: bool = field(default=True, metadata={
         "doc": "A run of slow steps must also outlast every streak of slow steps that ended by "
                "itself within the last step_window steps (at most 3 x num_slow_steps), so a box "
-               "whose noise comes in streaks is not named slow at each one. Default on: issue 11; "
+               "whose noise comes in streaks is not named slow at each one. Default on: "
                "a 2-core box with a third busy process alternates normal and ~2.4x steps in "
                "streaks of 3-7 (measured: 34 and 27 gate events in 650 steps with 3 in a row, 9 "
                "and 10 with this). On a clean box it asks num_slow_steps (the seed rule)."})
@@ -253,7 +253,7 @@ class GuardConfig:
     effect_min_share: float = _doc(
         0.5, "An action whose measured effect (over decision_cooldown_steps after its apply "
         "step) is below this share of its predicted effect is not repeated for that cause; the "
-        "policy escalates. Default 0.5: issue 11's rule (below half its prediction).", 0.0, 1.0)
+        "policy escalates. Default 0.5: an action that delivers less than half its prediction missed.", 0.0, 1.0)
 
     def __post_init__(self) -> None:
         for f in fields(self):

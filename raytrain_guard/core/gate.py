@@ -464,7 +464,7 @@ def attribute_across_ranks(windows: Sequence[Iterable[StepStats]], *,
     straggler. Any other rank whose communication wait exceeds the least one among ranks by
     more than ``straggler_frac`` x the median step is waiting (under DDP the straggler waits
     least and the others wait for it). Either gap must also reach ``floor_s`` (seconds): 10 %
-    of a 4 ms step is 0.4 ms, jitter on a loaded box (issue 11). One result per window, in order; ``world_rank`` is
+    of a 4 ms step is 0.4 ms, jitter on a loaded box. One result per window, in order; ``world_rank`` is
     taken from the stats (the position when empty).
     """
     if not 0 < straggler_frac:

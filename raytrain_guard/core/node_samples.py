@@ -8,8 +8,9 @@ rebuilds them with :meth:`NodeSample.from_dict`, which raises ``ValueError`` (or
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from raytrain_guard.errors import check_int
 
@@ -120,7 +121,7 @@ class NodeSample:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "NodeSample":
+    def from_dict(cls, d: Mapping[str, Any]) -> NodeSample:
         """Rebuild a sample; raises ValueError/KeyError/TypeError when it is malformed."""
         node_id = d["node_id"]
         if not isinstance(node_id, str) or not node_id:
@@ -169,7 +170,7 @@ class RunSetup:
     micro_batch: int | None = None
     grad_accum: int | None = None
     prefetch_factor: int | None = None
-    # optional, for the policy's predictions (issue 11); None when the rank does not say
+    # optional, for the policy's predictions; None when the rank does not say
     device: str | None = None             # "cuda", "cpu" or "simulated" (a card simulated on
                                           # CPU, rehearsing a GPU): no cache but on "cuda"
     device_index: int | None = None       # the GPU this rank runs on (torch.cuda.current_device)
@@ -186,7 +187,7 @@ class RunSetup:
         return self.device in ("cpu", "simulated")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "RunSetup":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> RunSetup:
         if not d:
             return cls()
         values: dict[str, Any] = {}

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.buckets import BucketPlan, recommend_bucket_cap
@@ -52,7 +53,7 @@ from raytrain_guard.units import MiB, format_bytes
 #: the micro-batch search stops here (activations that small per sample are a profile error)
 MAX_MICRO_BATCH_SEARCH = 1 << 24
 
-#: ``plan(fsdp_grad_sync=...)``: let the planner choose the FSDP gradient sync (issue 12's rule:
+#: ``plan(fsdp_grad_sync=...)``: let the planner choose the FSDP gradient sync (the rule:
 #: the mode that fits the largest micro-batch, the less communication on a tie)
 AUTO_GRAD_SYNC = "auto"
 FSDP_STRATEGIES = (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP)
