@@ -623,9 +623,7 @@ def experiment_setup(args: argparse.Namespace) -> Any:
                              + ", or none for the built-in model")
     for name in ("micro_batch", "grad_accum"):
         _positive_int(getattr(args, name), "--" + name.replace("_", "-"))
-    if args.max_failures < 0:
-        raise InputError("--max-failures", "must be >= 0", value=args.max_failures,
-                         fix="e.g. --max-failures 2")
+    check_int("--max-failures", args.max_failures, fix="e.g. --max-failures 2")
     if not args.collective_timeout > 0:
         raise InputError("--collective-timeout", "must be > 0", value=args.collective_timeout,
                          fix="e.g. --collective-timeout 120")

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from raytrain_guard.errors import InputError
+from raytrain_guard.errors import InputError, check_int
 from raytrain_guard.units import KiB, MiB, format_bytes
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,7 @@ def measure_allreduce_curve(*, sizes_bytes: Sequence[int] | None = None, num_ite
     import torch
     import torch.distributed as dist
 
-    if num_iters < 1:
-        raise InputError("num_iters", "must be >= 1", value=num_iters, fix="use e.g. 3")
+    check_int("num_iters", num_iters, at_least=1, fix="use e.g. 3")
     if not dist.is_available() or not dist.is_initialized():
         raise InputError("process group", "torch.distributed is not initialized",
                          fix="call it inside a TorchTrainer worker or after init_process_group")

@@ -18,7 +18,7 @@ from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Cause
-from raytrain_guard.errors import InputError
+from raytrain_guard.errors import InputError, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,8 @@ class ProcessMemoryProbe:
                  local_world_size: int = 1, use_uss: bool = False) -> None:
         import psutil
 
-        if local_world_size < 1:
-            raise InputError("local_world_size", "must be >= 1", value=local_world_size,
-                             fix="pass the number of training workers on this node")
+        check_int("local_world_size", local_world_size, at_least=1,
+                  fix="pass the number of training workers on this node")
         if budget_bytes is None and config is not None:
             budget_bytes = config.cpu_memory_budget_bytes
         if budget_bytes is None:
