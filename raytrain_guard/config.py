@@ -237,7 +237,8 @@ class GuardConfig:
         "turns the rule off. Default 1.0 (the part alone would double the step): replayed "
         "through the gate (benchmarks/gate_replay.py), 28 experiment arms with x3 compute on "
         "one rank name it within 5 steps in 20 (9 on the whole step alone), and 17300 clean "
-        "rank-steps give 20 events against 21.", 0.0)
+        "rank-steps give 20 events against 21. Where slow_step_abs_s is the lower line, that "
+        "rule alone decides.", 0.0)
     slow_step_adaptive_persistence: bool = field(default=True, metadata={
         "doc": "A run of slow steps must also outlast every streak of slow steps that ended by "
                "itself within the last step_window steps (at most 3 x num_slow_steps), so a box "

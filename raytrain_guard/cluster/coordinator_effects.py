@@ -96,10 +96,16 @@ class EffectMeter:
             sample = nodes.sample(pending.node_id) if pending.node_id is not None else None
             if pending.host_before is not None and sample is not None and sample.host is not None:
                 host = (pending.host_before, sample.host.memory_used_frac)
-            result = measure(pending.before, after, host)
+            try:
+                result = measure(pending.before, after, host)
+                miss = result is not None and missed(d.predicted, result,
+                                                     self.config.effect_min_share)
+            except Exception:   # one bad record costs its own measurement only
+                logger.exception("[run %s] decision #%d: effect not measured", self.run_id,
+                                 d.decision_id)
+                continue
             if result is None:
                 continue
-            miss = missed(d.predicted, result, self.config.effect_min_share)
             done.append(dataclasses.replace(
                 d, measured=dict(result.to_dict(), missed=miss, applied_at=start)))
             if d.action is Action.RELEASE_CACHE and not miss:

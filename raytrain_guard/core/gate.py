@@ -57,6 +57,7 @@ class StepGate:
         self._run: list[StepStats] = []          # the current run of consecutive slow steps
         self._run_reported = False
         self._run_cause: Cause | None = None     # the component the current run is slow in
+        self._run_parts = 0                      # steps of the run slow by the part rule
         self._streak = 0                         # slow steps in a row, whatever their cause
         self._ended_runs: deque[tuple[int, int]] = deque()   # (ending step, length) of
                                                  # streaks that ended by themselves lately
@@ -108,19 +109,23 @@ class StepGate:
                               * robust_sigma(totals, median_s))
             slow = total_s > threshold_s
         cause = None
+        by_part = False
         if (not slow and median_s is not None and cfg.slow_component_growth_steps > 0
                 and total_s > median_s + cfg.slow_step_floor_s):
             # the whole step hides a straggler's slowdown behind the wait it no longer has
             cause, slow = self._component_slow(stats, median_s)
+            by_part = slow
         if slow:
             # persistence in one cause: a step slow in another component than the run's starts
             # a new run (random outliers land in random phases; a real slowdown stays put)
-            if cause is None:
-                cause = self._step_cause(stats)
+            if cause is None:       # the component that grew most (UNKNOWN: the untimed rest)
+                cause = self._most_grown(stats)[0]
             if self._run and cause is not self._run_cause:
                 self._run.clear()
+                self._run_parts = 0
             self._run_cause = cause
             self._run.append(stats)
+            self._run_parts += by_part
             self._streak += 1
             if len(self._run) >= self._persistence(stats.step) and not self._run_reported:
                 self._run_reported = True
@@ -131,6 +136,7 @@ class StepGate:
                 self._streak = 0
             if self._run:
                 self._run.clear()
+                self._run_parts = 0
                 self._run_reported = False
         window = self._window                   # into the window, its totals kept sorted
         if len(window) == window.maxlen:
@@ -230,6 +236,7 @@ class StepGate:
             "run": [s.to_dict() for s in self._run],
             "run_reported": self._run_reported,
             "run_cause": None if self._run_cause is None else self._run_cause.value,
+            "run_parts": self._run_parts,
             "streak": self._streak,
             "ended_runs": [list(r) for r in self._ended_runs],
             "num_seen": self._num_seen,
@@ -253,6 +260,7 @@ class StepGate:
         self._run_reported = bool(state["run_reported"])
         run_cause = state["run_cause"]
         self._run_cause = None if run_cause is None else Cause(run_cause)
+        self._run_parts = int(state["run_parts"])
         self._streak = int(state["streak"])
         self._ended_runs = deque((int(a), int(b)) for a, b in state["ended_runs"])
         self._num_seen = int(state["num_seen"])
@@ -343,11 +351,6 @@ class StepGate:
         return min(MAX_PERSISTENCE_FACTOR * cfg.num_slow_steps,
                    max(cfg.num_slow_steps, longest + 1))
 
-    def _step_cause(self, stats: StepStats) -> Cause:
-        """The component of one slow step that grew most over its median in the window
-        (UNKNOWN when none grew: the untimed rest of the step did)."""
-        return self._most_grown(stats)[0]
-
     def _most_grown(self, stats: StepStats) -> tuple[Cause, float, list[float]]:
         """(cause, growth in seconds, the window's values) of the component that grew most
         over its window median; (UNKNOWN, 0, []) when none grew."""
@@ -381,12 +384,15 @@ class StepGate:
         cause, detail = attribute_slow_steps(self._run, baseline)
         first, last = self._run[0].step, self._run[-1].step
         run_median = statistics.median(s.total_s for s in self._run)
-        if run_median > threshold_s:
-            why = f"median {run_median:.4f} s > {threshold_s:.4f} s, {rule}"
+        cfg = self.config
+        if self._run_parts:
+            why = (f"median {run_median:.4f} s; {self._run_parts} of them slow by the rank's own "
+                   f"{self._run_cause.value}, grown by more than "
+                   f"{cfg.slow_component_growth_steps:g} median step(s), the floor and "
+                   f"{cfg.slow_step_mad_k:g} robust spreads of its own")
         else:
-            why = (f"median {run_median:.4f} s, its {cause.value} grown by more than "
-                   f"{self.config.slow_component_growth_steps:g} median step(s), the floor and "
-                   f"{self.config.slow_step_mad_k:g} robust spreads of its own")
+            why = (f"median {run_median:.4f} s; each step over its line, the last one's "
+                   f"{threshold_s:.4f} s, {rule}")
         reason = (f"rank {stats.world_rank} steps {first}-{last}: {len(self._run)} slow steps in "
                   f"a row ({why}); {detail}")
         return self._decide(Action.SLOW_STEP, cause, reason, num_steps=len(self._run),

@@ -116,9 +116,8 @@ class StepBoundary:
         from raytrain_guard.runtime.cache_release import release_cache
 
         action, safe = decision.action, self._fail_open.call
-        if action is Action.RELEASE_CACHE:
-            if self.step_guard.gate.claim_release():   # one spacing with the gate's releases
-                safe("release_cache", release_cache)
+        if action is Action.RELEASE_CACHE:    # one spacing with the gate's own releases
+            safe("release_cache", lambda: self.step_guard.gate.claim_release() and release_cache())
         elif action is Action.PACE:
             safe("pace", self.step_guard.set_pace, decision.params.get("delay_s", 0.0))
         elif action is Action.SET_PREFETCH and self.loader is not None:
