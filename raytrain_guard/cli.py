@@ -341,9 +341,9 @@ def _model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
                              fix="give all of --layers --hidden --heads --seq-len --vocab")
     from raytrain_guard.core.activations import analytic_transformer
 
-    options = dict(gated_mlp=args.gated_mlp, tied_embeddings=args.tied_embeddings,
-                   dropout=args.dropout, bias=not args.no_bias,
-                   expand_kv=not args.no_expand_kv)
+    options = {"gated_mlp": args.gated_mlp, "tied_embeddings": args.tied_embeddings,
+               "dropout": args.dropout, "bias": not args.no_bias,
+               "expand_kv": not args.no_expand_kv}
     if args.norm is not None:
         options["norm"] = args.norm
     if args.ffn_hidden is not None:
