@@ -16,8 +16,9 @@ import inspect
 import logging
 import re
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from raytrain_guard import factories
 from raytrain_guard.core.memory_model import OptimizerKind, Precision, coerce_enum

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:      # the tests import examples/ (and spawned ranks inherit it)
+    sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +23,6 @@ def ray_instance(request):
     ray = pytest.importorskip("ray")
     from ray import cloudpickle
 
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from examples import toy
 
     cloudpickle.register_pickle_by_value(toy)

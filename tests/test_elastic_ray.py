@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -29,10 +28,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from examples import toy
 from raytrain_guard.runtime.train_loop import train_loop_per_worker

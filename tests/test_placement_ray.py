@@ -10,17 +10,11 @@ the plan is for 3 ranks per node of 3 CPUs and 3 x 512 MiB.
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from examples import toy
 from raytrain_guard.cluster.launcher import cluster_nodes, plan_machine, plan_run

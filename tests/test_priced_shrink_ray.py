@@ -36,10 +36,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 from examples import toy
 from raytrain_guard.cluster.launcher import launch, traced_plan
 from raytrain_guard.core.effects import shrink_effect

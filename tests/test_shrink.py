@@ -13,14 +13,9 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from raytrain_guard.cluster.client import (CoordinatorClient, LockstepDecisionSource,  # noqa: E402
                                            ScriptedDecisionSource)

@@ -6,17 +6,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from examples import toy
 from raytrain_guard.config import GuardConfig

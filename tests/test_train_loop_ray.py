@@ -18,15 +18,10 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from raytrain_guard.config import GuardConfig   # noqa: E402
 from raytrain_guard.errors import InputError    # noqa: E402

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from raytrain_guard.cluster.client import COORDINATOR_PREFIX, coordinator_name
 from raytrain_guard.cluster.coordinator import Coordinator
@@ -32,9 +33,18 @@ ProbeFactory = Callable[[str], "tuple[Any, Any]"]
 """``probe_factory(node_id) -> (gpu_probe, host_probe)``; None in a slot builds the real probe.
 It is pickled to every monitor, so define it at module level (scripted probes are fine)."""
 
-__all__ = ["MONITOR_PREFIX", "COORDINATOR_PREFIX", "monitor_name", "coordinator_name",
-           "alive_node_ids", "start_monitors", "start_coordinator", "stop_all",
-           "register_worker_with_monitor", "CoordinatorSink"]
+__all__ = [
+    "COORDINATOR_PREFIX",
+    "MONITOR_PREFIX",
+    "CoordinatorSink",
+    "alive_node_ids",
+    "coordinator_name",
+    "monitor_name",
+    "register_worker_with_monitor",
+    "start_coordinator",
+    "start_monitors",
+    "stop_all",
+]
 
 
 def monitor_name(run_id: str, node_id: str) -> str:
@@ -209,7 +219,7 @@ def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = Non
         ).remote(node_id, config, namespace, run_id, probe_factory)
     if ready_timeout_s is not None and handles:
         refs = {h.ping.remote(): n for n, h in handles.items()}
-        ready, missing = ray.wait(list(refs), num_returns=len(refs), timeout=ready_timeout_s)
+        _ready, missing = ray.wait(list(refs), num_returns=len(refs), timeout=ready_timeout_s)
         for ref in missing:
             logger.warning("monitor on node %s did not answer within %.0f s", refs[ref],
                            ready_timeout_s)

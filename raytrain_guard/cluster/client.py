@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from raytrain_guard.cluster.lockstep import Lockstep, is_agreement_step
 from raytrain_guard.config import GuardConfig

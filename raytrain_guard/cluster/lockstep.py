@@ -11,8 +11,9 @@ is one method, :meth:`ProcessGroupExchange.exchange`. Why, step by step: docs/co
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from raytrain_guard.core.decisions import Decision
 from raytrain_guard.errors import check_int

@@ -302,7 +302,7 @@ def format_status(status: Mapping[str, Any]) -> str:
         score = r.get("straggler_score")
         if isinstance(score, Mapping):
             score = score.get("score")
-        lines.append(f"  {str(r.get('world_rank', key)):>4}  {str(r.get('node_id', '-'))[:16]:<16}"
+        lines.append(f"  {r.get('world_rank', key)!s:>4}  {str(r.get('node_id', '-'))[:16]:<16}"
                      f"  {_fmt(r.get('step'), 'd'):>5}  {_fmt(r.get('step_p50_s')):>7}  "
                      f"{_fmt(r.get('step_p99_s')):>7}  {_pct(r.get('memory_frac')):>6}  "
                      f"{_fmt(score, '.2f')}")

@@ -19,8 +19,8 @@ Every input used lands in ``BucketPlan.inputs`` and the rule that decided in ``r
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import PlanInputError, check_int

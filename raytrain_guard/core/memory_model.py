@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
@@ -135,7 +135,7 @@ class TrainingSetup:
             raise PlanInputError("bucket_cap_mb", "must be a positive number of MiB",
                                  value=self.bucket_cap_mb, fix="DDP's default is 25")
 
-    def with_micro_batch(self, micro_batch: int) -> "TrainingSetup":
+    def with_micro_batch(self, micro_batch: int) -> TrainingSetup:
         """The same setup at another micro-batch (the planner's search variable)."""
         import dataclasses
         return dataclasses.replace(self, micro_batch=micro_batch)

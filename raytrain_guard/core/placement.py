@@ -18,8 +18,9 @@ node, 4 GiB and 1 CPU on the small one: the plan is for 8 ranks per node with 8 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from raytrain_guard.errors import PlanInputError, check_int
 

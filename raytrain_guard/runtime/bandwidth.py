@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from raytrain_guard.errors import InputError, check_int
 from raytrain_guard.units import KiB, MiB, format_bytes
@@ -59,7 +60,7 @@ class BandwidthCurve:
 
     @classmethod
     def from_times(cls, sizes_bytes: Sequence[int], times_s: Sequence[float], *, world_size: int,
-                   backend: str = "", measure_s: float = 0.0) -> "BandwidthCurve":
+                   backend: str = "", measure_s: float = 0.0) -> BandwidthCurve:
         """The curve of given per-size times (seconds per allreduce, max over ranks)."""
         if len(sizes_bytes) != len(times_s) or not sizes_bytes:
             raise InputError("sizes_bytes", "needs one time per size and at least one size",
@@ -112,7 +113,7 @@ class BandwidthCurve:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "BandwidthCurve":
+    def from_dict(cls, d: Mapping[str, Any]) -> BandwidthCurve:
         return cls.from_times(d["sizes_bytes"], d["times_s"], world_size=int(d["world_size"]),
                               backend=str(d.get("backend", "")),
                               measure_s=float(d.get("measure_s", 0.0)))

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from raytrain_guard.core.memory_model import DEFAULT_GRAD_SYNC, GradSync, Strategy
 from raytrain_guard.errors import InputError

@@ -36,7 +36,7 @@ class _StepRecord:
     __slots__ = ("collectives", "done", "last_ready", "lender", "lends_end", "marks",
                  "released", "step")
 
-    def __init__(self, start: Any, lender: "_StepRecord | None" = None) -> None:
+    def __init__(self, start: Any, lender: _StepRecord | None = None) -> None:
         self.step: int | None = None     # None: nobody began it (it opened where the last ended)
         self.marks: list[tuple[int, Any]] = [(UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready

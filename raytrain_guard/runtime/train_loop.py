@@ -41,9 +41,17 @@ from raytrain_guard.runtime.loop.reporting import DirectoryReporter, RayTrainRep
 from raytrain_guard.runtime.loop.spikes import SpikesMixin
 from raytrain_guard.runtime.loop.steps import StepsMixin
 
-__all__ = ["DirectoryReporter", "GuardedTrainLoop", "LoopConfig", "RayTrainReporter",
-           "RestartRequested", "relayout", "shrink_verdict", "train_loop_per_worker",
-           "_check_loss"]
+__all__ = [
+    "DirectoryReporter",
+    "GuardedTrainLoop",
+    "LoopConfig",
+    "RayTrainReporter",
+    "RestartRequested",
+    "_check_loss",
+    "relayout",
+    "shrink_verdict",
+    "train_loop_per_worker",
+]
 
 logger = logging.getLogger(__name__)
 
