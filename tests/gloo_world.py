@@ -42,3 +42,16 @@ def spawn(fn: Callable[..., None], world: int, *args, backend: str = "gloo") -> 
     """Run ``fn(rank, *args)`` on ``world`` processes joined in a ``backend`` group; raises
     if any rank fails. ``fn`` must be a module-level function (it is pickled to the ranks)."""
     mp.spawn(_rank_main, args=(fn, world, free_port(), backend, args), nprocs=world, join=True)
+
+
+def one_rank(fn: Callable[[], None], store_dir: str) -> None:
+    """``fn()`` in a one-rank gloo group of this process (a file store in ``store_dir``): its
+    locals die when it returns, and are collected before the group is destroyed, as in
+    :func:`spawn` (a DDP reducer freed after its gloo group deadlocked in the group's
+    destructor)."""
+    dist.init_process_group("gloo", init_method=f"file://{store_dir}/rdv", rank=0, world_size=1)
+    try:
+        fn()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

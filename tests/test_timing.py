@@ -153,7 +153,7 @@ def test_comm_timer_wraps_a_given_hook(tmp_path):
     # One-process gloo group: DDP still runs its hook on every bucket. A counting hook around
     # fp16 compression shows the given hook is the one called, and the stats come back.
     torch = pytest.importorskip("torch")
-    import torch.distributed as dist
+    from gloo_world import one_rank
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -165,8 +165,7 @@ def test_comm_timer_wraps_a_given_hook(tmp_path):
         calls.append(bucket.index())
         return fp16_compress_hook(state, bucket)
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
-    try:
+    def body():
         model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
                     bucket_cap_mb=0.01)
         timer = StepTimer()
@@ -180,8 +179,8 @@ def test_comm_timer_wraps_a_given_hook(tmp_path):
         assert len(calls) >= 3 and stats.step == 2
         with pytest.raises(InputError, match="register_comm_hook"):
             attach_comm_timer(torch.nn.Linear(2, 2), timer)
-    finally:
-        dist.destroy_process_group()
+
+    one_rank(body, tmp_path)
 
 
 def test_comm_wait_is_the_late_completion_after_the_last_bucket(tmp_path):
@@ -190,7 +189,7 @@ def test_comm_wait_is_the_late_completion_after_the_last_bucket(tmp_path):
     torch = pytest.importorskip("torch")
     import threading
 
-    import torch.distributed as dist
+    from gloo_world import one_rank
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from raytrain_guard.runtime.timing import attach_comm_timer
@@ -204,8 +203,7 @@ def test_comm_wait_is_the_late_completion_after_the_last_bucket(tmp_path):
             fut.set_result(buf)
         return fut
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
-    try:
+    def body():
         model = DDP(torch.nn.Linear(64, 64))
         timer = StepTimer()
         attach_comm_timer(model, timer, hook=slow_last_bucket)
@@ -219,8 +217,8 @@ def test_comm_wait_is_the_late_completion_after_the_last_bucket(tmp_path):
             assert 0.045 <= stats.comm_wait_s < 1.0, stats
             # Counted once: were the wait left in backward_s, the two would exceed the step.
             assert stats.backward_s + stats.comm_wait_s <= stats.total_s, stats
-    finally:
-        dist.destroy_process_group()
+
+    one_rank(body, tmp_path)
 
 
 def test_close_step_and_stats_of_sum_like_finish_step():
