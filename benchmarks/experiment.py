@@ -1,7 +1,7 @@
 """The before/after experiment, each fault alone: guard observing vs guard acting.
 
 Runs ``raytrain-guard experiment`` once per row of :data:`CASES` (2 gloo workers, the built-in
-sequence model on a simulated 4 MiB card, DDP (FSDP2 for the ``_fsdp`` rows), micro-batch 8),
+sequence model on a simulated 10 MiB card, DDP (FSDP2 for the ``_fsdp`` rows), micro-batch 8),
 then prints one markdown table with the figures docs/benchmarks.md records and the targets each
 row is held to. About 15 minutes on a 2-core machine::
 
@@ -25,7 +25,7 @@ from raytrain_guard import cli
 CASES = (
     ("activation_spike", ["activation_spike:rank=1,start=30,factor=8,steps=3"], 100,
      "observe fails every attempt; act finishes, same global batch, 0 lost steps"),
-    ("memory_growth", ["memory_growth:rank=1,start=10,per_step=16KiB"], 200,
+    ("memory_growth", ["memory_growth:rank=1,start=10,per_step=40KiB"], 200,
      "observe crashes and recomputes; act checkpoints before the OOM, 0 lost steps"),
     ("slow_compute", ["slow_compute:rank=1,start=40,factor=3"], 100,
      "compute named on rank 1 within 5 steps; act throughput within 2 % of observe"),

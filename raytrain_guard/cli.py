@@ -587,7 +587,7 @@ def add_experiment_command(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="each rank's card: simulated on CPU, a cap on CUDA (default for the "
-                        "built-in model: 4MiB)")
+                        "built-in model: 10MiB)")
     p.add_argument("--strategy", default="ddp", choices=("ddp", "zero1", "fsdp-grad-op",
                                                          "fsdp-full"))
     p.add_argument("--micro-batch", type=int, default=8)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raytrain_guard.core.faults import parse_fault
+from raytrain_guard.experiment.runner import BUILT_IN_DEVICE_MEMORY_BYTES
 from raytrain_guard.runtime.faults import SimulatedDevice, lengthen
 from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
 from raytrain_guard.units import MiB
@@ -25,7 +26,7 @@ BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
 SPIKE = parse_fault("activation_spike:rank=0,start=6,factor=8,steps=2")
 
 
-def _run(tmp_path, name, *, act=True, card=4 * MiB, faults=(SPIKE,), **extra):
+def _run(tmp_path, name, *, act=True, card=BUILT_IN_DEVICE_MEMORY_BYTES, faults=(SPIKE,), **extra):
     config = LoopConfig.from_dict({
         **BUILT_IN, "micro_batch": 8, "max_steps": 10, "num_workers": 0, "seed": 3,
         "measure_bandwidth": False, "checkpoint_every_steps": 100, "act": act,
@@ -61,7 +62,7 @@ def test_acting_splits_the_spike_and_trains_as_a_card_big_enough_would(tmp_path)
         # watermark it was sized for
         assert abs(d["measured"]["peak_frac"] - d["predicted"]["peak_frac"]) < 0.1
         assert d["measured"]["peak_frac"] < 0.88
-    big, run_big = _run(tmp_path, "big", card=64 * MiB)
+    big, run_big = _run(tmp_path, "big", card=16 * BUILT_IN_DEVICE_MEMORY_BYTES)
     run_big()
     assert not [d for d in big.decisions if d["action"] == "split_micro_batch"]
     for a, b in zip(loop.planned.module.parameters(), big.planned.module.parameters()):

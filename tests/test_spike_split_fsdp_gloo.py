@@ -2,7 +2,7 @@
 
 Under FSDP2 each forward gathers and each backward scatters with the other ranks, so a rank
 that ran its oversized micro-batch in pieces alone would leave the others in a mismatched
-collective (a hang). Rank 1's data spikes at steps 6-7 on a 4 MiB simulated card; the ranks
+collective (a hang). Rank 1's data spikes at steps 6-7 on the built-in job's simulated card; the ranks
 agree on the pieces before the forward and both split. The run finishes, both ranks record
 the split at the same steps with the same pieces, and the weights equal those of a run on a
 card big enough for the whole batch (only the summation order differs).
@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from gloo_world import spawn  # noqa: E402
 
-from raytrain_guard.units import MiB  # noqa: E402
+from raytrain_guard.experiment.runner import BUILT_IN_DEVICE_MEMORY_BYTES  # noqa: E402
 
 BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
             "dataset_factory": "raytrain_guard.experiment.model:make_dataset",
@@ -36,7 +36,8 @@ def _worker(rank: int, out: str) -> None:
 
     spike = parse_fault("activation_spike:rank=1,start=6,factor=8,steps=2")
     got = {}
-    for name, card in (("small", 4 * MiB), ("big", 64 * MiB)):
+    for name, card in (("small", BUILT_IN_DEVICE_MEMORY_BYTES),
+                       ("big", 16 * BUILT_IN_DEVICE_MEMORY_BYTES)):
         os.makedirs(os.path.join(out, name), exist_ok=True)
         config = LoopConfig.from_dict({
             **BUILT_IN, "strategy": "fsdp-full", "micro_batch": 8, "max_steps": 10,

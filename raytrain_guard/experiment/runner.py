@@ -39,9 +39,10 @@ BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
             "dataset_factory": "raytrain_guard.experiment.model:make_dataset",
             "optimizer_factory": "raytrain_guard.experiment.model:make_optimizer",
             "loss_fn": "raytrain_guard.experiment.model:loss_fn"}
-#: the built-in job's simulated card: its normal peak (~1.7 MB at micro-batch 8) is ~40 % of it,
-#: so an 8x activation spike overflows it and a leak of 32 KiB a step reaches it in ~70 steps
-BUILT_IN_DEVICE_MEMORY_BYTES = 4 * MiB
+#: the built-in job's simulated card: its normal peak (2.7 MiB at micro-batch 8, 2 ranks) is
+#: ~27 % of it, so an 8x activation spike overflows it and a leak of 40 KiB a step reaches the
+#: critical line in ~160 steps
+BUILT_IN_DEVICE_MEMORY_BYTES = 10 * MiB
 #: the observe arm's hang ends at the collective timeout, set short so that it ends at all
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 RAY_DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
@@ -86,7 +87,7 @@ class ExperimentSetup:
         memory_kinds = {"memory_growth", "activation_spike"}
         if any(f.kind in memory_kinds for f in self.faults) and not self.card_bytes():
             raise InputError("--device-memory", "memory faults need a card to overflow",
-                             value=None, fix="pass --device-memory SIZE (e.g. 4MiB)")
+                             value=None, fix="pass --device-memory SIZE (e.g. 10MiB)")
 
     def card_bytes(self) -> int | None:
         if self.device_memory_bytes is not None:

@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 from raytrain_guard.core.memory_model import Strategy
-from raytrain_guard.runtime.loop.steps import _batch_elements
+from raytrain_guard.runtime.loop.steps import _batch_bytes, _batch_elements
 
 logger = logging.getLogger("raytrain_guard.runtime.train_loop")
 
@@ -64,10 +64,8 @@ class SpikesMixin:
             return ((batch, 1.0),)
         entry["reason"] += f"; run in {pieces} pieces of the same optimizer step"
         entry["params"]["pieces"] = pieces
-        card = self.card
-        piece_bytes = (self._act_per_elem or 0.0) * _batch_elements(batch) / pieces
-        entry["predicted"] = {"peak_frac": round((card.base_bytes + piece_bytes)
-                                                 / card.capacity_bytes, 4)}
+        peak_bytes = self.card.base_bytes + self._piece_bytes(batch, pieces)
+        entry["predicted"] = {"peak_frac": round(peak_bytes / self.card.capacity_bytes, 4)}
         self._split_pending.append(entry)
         bounds = [size * i // pieces for i in range(pieces + 1)]
         return tuple((map_tensors(batch, lambda t, lo=lo, hi=hi: t[lo:hi]), (hi - lo) / size)
@@ -112,9 +110,19 @@ class SpikesMixin:
                   f"{self.config.guard.memory_watermark_frac:.0%})")
         entry["predicted"] = {"peak_frac": round((card.base_bytes + predicted)
                                                  / card.capacity_bytes, 4)}
-        if not self.config.act or room <= 0:
+        held = _batch_bytes(batch)
+        if not self.config.act or room <= held:
             return 1, entry
-        return min(size, max(2, -(-int(predicted) // int(room)))), entry
+        # the whole batch stays on the card while its pieces run: only the rest divides
+        pieces = max(2, -(-int(predicted - held) // int(room - held)))
+        return min(size, pieces), entry
+
+    def _piece_bytes(self, batch: Any, pieces: int) -> float:
+        """A piece's activation bytes at its peak: the batch itself (on the card in full, the
+        pieces are views of it) and its share of the rest."""
+        held = _batch_bytes(batch)
+        rest = max(0.0, (self._act_per_elem or 0.0) * _batch_elements(batch) - held)
+        return held + rest / pieces
 
     def _split_entry(self, size: int, reason: str) -> dict:
         return {"action": "split_micro_batch", "step": self.step, "applied_at": self.step,
