@@ -5,7 +5,7 @@ sequence model on a simulated 10 MiB card, DDP (FSDP2 for the ``_fsdp`` rows), m
 then prints one markdown table with the figures docs/benchmarks.md records and the targets each
 row is held to. About 15 minutes on a 2-core machine::
 
-    python benchmarks/experiment.py [--out DIR] [--only KIND ...]
+    python benchmarks/experiment.py [--out DIR] [--only KIND ...] [--repeat N]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -61,8 +62,10 @@ def run_case(name: str, faults: list[str], steps: int, out: str) -> dict:
     return json.loads(buffer.getvalue())
 
 
-def row(name: str, target: str, result: dict) -> str:
-    o, a = result["arms"]["observe"], result["arms"]["act"]
+def row(name: str, target: str, results: list[dict]) -> str:
+    """One table row: the first run's figures; the pace ratio and the steps to naming the fault
+    of every run (``--repeat``), since one run's pace moves by several % on a shared box."""
+    o, a = results[0]["arms"]["observe"], results[0]["arms"]["act"]
 
     def done(arm):
         return (f"{arm['steps']}/{arm['total_steps']}" + ("" if arm["completed"] else
@@ -79,17 +82,28 @@ def row(name: str, target: str, result: dict) -> str:
                    f"{hangs[0]['seconds_to_detect']:.0f} s"
         return f"{len(arm['detections'])} detections"
 
-    # the steps' own pace (start-up and checkpoints left out: they are most of a short run)
-    ratio = (a["step_samples_per_s"] / o["step_samples_per_s"]) \
-        if o.get("step_samples_per_s") and a.get("step_samples_per_s") else None
+    ratios = sorted(r for r in map(_pace_ratio, results) if r is not None)
+    pace = "-" if not ratios else f"{statistics.median(ratios):.3f}" + (
+        f" ({ratios[0]:.3f}-{ratios[-1]:.3f}, {len(ratios)} runs)" if len(ratios) > 1 else "")
+    names = "; ".join(f"{named(r['arms']['observe'])} / {named(r['arms']['act'])}"
+                      for r in results)
     return (f"| {name} | {done(o)} | {done(a)} | {o['attempts']} / {a['attempts']} | "
             f"{o['lost_steps']} / {a['lost_steps']} | "
             f"{o['samples_lost']}+{o['samples_repeated']} / "
             f"{a['samples_lost']}+{a['samples_repeated']} | "
             f"{_pct(o['data_wait_frac'])} / {_pct(a['data_wait_frac'])} | "
             f"{_pct(o['peak_memory_frac'])} / {_pct(a['peak_memory_frac'])} | "
-            f"{'-' if ratio is None else f'{ratio:.3f}'} | {named(o)} / {named(a)} | "
+            f"{pace} | {names} | "
             f"{o['wall_s']:.0f} / {a['wall_s']:.0f} s | {target} |")
+
+
+def _pace_ratio(result: dict) -> float | None:
+    """Act's samples per second of step time over observe's: the steps' own pace (start-up and
+    checkpoints left out: they are most of a short run)."""
+    o, a = result["arms"]["observe"], result["arms"]["act"]
+    if o.get("step_samples_per_s") and a.get("step_samples_per_s"):
+        return a["step_samples_per_s"] / o["step_samples_per_s"]
+    return None
 
 
 def _pct(x):
@@ -100,6 +114,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run each row N times (pace ratio: median and range)")
     args = parser.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="rtg-bench-experiment-")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -111,9 +127,10 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()
-        result = run_case(name, faults, steps, out)
-        print(row(name, target, result), flush=True)
-        print(f"  ({name}: {time.perf_counter() - t0:.0f} s, report {result['report']})",
+        results = [run_case(name, faults, steps, os.path.join(out, f"run{i}") if i else out)
+                   for i in range(args.repeat)]
+        print(row(name, target, results), flush=True)
+        print(f"  ({name}: {time.perf_counter() - t0:.0f} s, report {results[0]['report']})",
               file=sys.stderr, flush=True)
 
 
