@@ -146,6 +146,12 @@ class GuardConfig:
         2, "First steps the slow-step rules ignore (kept out of the median). Default 2: DDP's first "
         "step uses one big bucket and rebuilds its buckets, lazy initialisation and compilation "
         "happen then too.", 0)
+    slow_step_settle_steps: int = _doc(
+        3, "Steps after a checkpoint that the slow-step rules ignore (kept out of the median), "
+        "as the first steps of a run: the checkpoint's aftermath (the controller's bookkeeping, "
+        "an asynchronous upload) competes with them. Default 3: on the 2-core CI box the "
+        "three steps after a checkpoint ran twice their compute on both ranks: one of the two "
+        "slow-step events in 7,200 clean rank-steps of the built-in experiment model.", 0)
     straggler_frac: float = _doc(
         0.10, "Across ranks, a rank is a straggler when its compute (or data wait) exceeds the other "
         "ranks' median by more than this fraction of their median step time, and waiting when "
@@ -247,8 +253,11 @@ class GuardConfig:
                "streaks of 3-7 (measured: 34 and 27 gate events in 650 steps with 3 in a row, 9 "
                "and 10 with this). On a clean box it asks num_slow_steps (the seed rule)."})
     cache_release_min_frac: float = _doc(
-        0.05, "A cache release is decided only when a rank's allocator holds at least this "
-        "fraction of the card cached but unallocated (reserved - allocated). Default 5 %: the "
+        0.05, "A cache release is decided (by the coordinator and by a rank's own gate) only "
+        "when the rank's allocator holds at least this fraction of the card cached but "
+        "unallocated (reserved - allocated): never on CPU or a simulated card, which have no "
+        "allocator cache; a reading that does not tell the cache leaves it to the watermark "
+        "rule alone. Default 5 %: the "
         "fragmentation reserve the planner sets aside (fragmentation_frac); less is the "
         "allocator's normal slack, not worth a device synchronization on every rank.", 0.0, 1.0)
     effect_min_share: float = _doc(

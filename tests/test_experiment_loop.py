@@ -183,3 +183,18 @@ def test_without_split_spikes_the_spike_overflows_the_card_even_when_acting(tmp_
         run()
     assert loop.step == 6
     assert not [d for d in loop.decisions if d["action"] == "split_micro_batch"]
+
+
+def _slow_step_events(tmp_path, name, start):
+    slow = parse_fault(f"slow_compute:rank=0,start={start},stop={start + 3},factor=6")
+    loop, run = _run(tmp_path, name, faults=(slow,), max_steps=24, checkpoint_every_steps=10)
+    run()
+    return [d["applied_at"] for d in loop.decisions if d["action"] == "slow_step"]
+
+
+def test_the_steps_after_a_checkpoint_settle_and_later_ones_are_judged(tmp_path):
+    # Checkpoints after steps 9 and 19. Three steps six times slower in compute right after
+    # the first (10-12) are the checkpoint's aftermath to the gate: no event; the same three
+    # steps from 14 are named at their third (the boundary after step 16, 17 steps done).
+    assert _slow_step_events(tmp_path, "after", 10) == []
+    assert _slow_step_events(tmp_path, "later", 14) == [17]

@@ -85,6 +85,20 @@ def test_memory_rules(name, changes, step_s, fracs, expected):
     assert feed_memory(gate, clock, fracs) == expected
 
 
+def test_the_watermark_releases_only_cache_the_allocator_holds():
+    # cache_release_min_frac 5 %: 4.9 % cached decides nothing and keeps the rule armed; 5 %
+    # releases; then nothing until memory dips under the re-arm line. Unknown (None): the
+    # watermark rule alone.
+    config = GuardConfig(memory_predict_steps=0)
+    gate = StepGate(config, clock=FakeClock(10.0))
+    assert gate.observe_memory(0, 0.89, cached_frac=0.0) == []
+    assert gate.observe_memory(1, 0.89, cached_frac=0.049) == []
+    assert [d.action for d in gate.observe_memory(2, 0.89, cached_frac=0.05)] == [R]
+    assert gate.observe_memory(3, 0.89, cached_frac=0.2) == []
+    unknown = StepGate(config, clock=FakeClock(10.0))
+    assert [d.action for d in unknown.observe(StepStats(0, 0.1, memory_frac=0.89))] == [R]
+
+
 def test_pacing_params_and_reasons():
     clock = FakeClock()
     gate = StepGate(GuardConfig(pacing_enabled=True, memory_predict_steps=0), clock=clock)
@@ -129,6 +143,25 @@ def feed_steps(gate: StepGate, kinds):
 
 
 WARM = ["n"] * 2 + ["n"] * 6    # 2 warmup steps, then a baseline of 6 normal steps (median 0.1)
+
+def test_the_steps_after_a_checkpoint_settle_before_they_are_judged():
+    # A checkpoint before step 8: its three slow steps 8-10 (slow_step_settle_steps 3) are
+    # not judged and stay out of the median; three slow steps at 14-16 make the event at 16.
+    # Without the pause, the slow steps at 8-10 make it at 10 (and the streak of 14-16, no
+    # longer than the one that ended by itself, none: adaptive persistence).
+    kinds = WARM + ["compute"] * 3 + ["n"] * 3 + ["compute"] * 3
+    paused = StepGate(GuardConfig())
+    events = []
+    for i, kind in enumerate(kinds):
+        if i == 8:
+            paused.note_pause(8)
+        fields = NORMAL if kind == "n" else SLOW[kind]
+        events += [i for d in paused.observe(StepStats(step=i, **fields))
+                   if d.action is Action.SLOW_STEP]
+    assert events == [16]
+    assert [s.step for s in paused.window] == [2, 3, 4, 5, 6, 7, 11, 12, 13, 14, 15, 16]
+    assert [i for i, _ in feed_steps(StepGate(GuardConfig()), kinds)] == [10]
+
 
 SLOW_CASES = [
     # (name, config changes, kinds, expected [(index, cause)])

@@ -56,7 +56,7 @@ def test_memory_reading_fractions():
 def test_scripted_probe_script_errors_and_repeat():
     boom = RuntimeError("nvml gone")
     probe = ScriptedProbe([0.5, MemoryReading(1, 2, 4), boom], total_bytes=1000)
-    assert probe.read() == MemoryReading(500, 500, 1000)
+    assert probe.read() == MemoryReading(500, 500, 1000, cache_known=False)
     assert probe.read().frac == 0.5
     with pytest.raises(RuntimeError, match="nvml gone"):
         probe.read()
@@ -138,11 +138,11 @@ def test_ballast_and_failing_probe():
 
 
 # -- StepGuard ---------------------------------------------------------------------------------
-def test_ballast_over_a_cpu_budget_triggers_watermark_and_stop():
+def test_ballast_over_a_cpu_budget_checkpoints_and_stops_once_and_releases_nothing():
     # Budget: current RSS / 0.70, so the process sits at about 70 %. Ballast of 25 % of the
-    # budget takes it to about 95 %: >= 0.88 releases, >= 0.90 checkpoints and stops. Without
-    # the ballast it falls back to about 70 % < 0.85 and the watermark re-arms; ballast again
-    # releases again, but the stop never repeats.
+    # budget takes it to about 95 %: >= 0.90 checkpoints and stops; past the watermark nothing
+    # is released (host memory has no allocator cache). Without the ballast it falls back to
+    # about 70 %; ballast again decides nothing: the stop never repeats.
     rss = ProcessMemoryProbe(budget_bytes=1).read().used_bytes
     budget = int(rss / 0.70)
     config = GuardConfig(cpu_memory_budget_bytes=budget, memory_predict_steps=0)
@@ -152,18 +152,40 @@ def test_ballast_over_a_cpu_budget_triggers_watermark_and_stop():
     inj = FaultInjector()
     assert run_steps(guard, range(3)) == {}
     inj.allocate_ballast(int(0.25 * budget))
-    assert run_steps(guard, [3, 4]) == {3: [Action.RELEASE_CACHE, Action.CHECKPOINT_AND_STOP]}
+    assert run_steps(guard, [3, 4]) == {3: [Action.CHECKPOINT_AND_STOP]}
     inj.release_ballast()
     assert run_steps(guard, [5]) == {}
     inj.allocate_ballast(int(0.25 * budget))
-    assert run_steps(guard, [6]) == {6: [Action.RELEASE_CACHE]}
+    assert run_steps(guard, [6]) == {}
     inj.release_ballast()
-    assert [d.action for d in seen] == [Action.RELEASE_CACHE, Action.CHECKPOINT_AND_STOP,
-                                        Action.RELEASE_CACHE]
+    assert [d.action for d in seen] == [Action.CHECKPOINT_AND_STOP]
     assert seen[0].cause is Cause.HOST_MEMORY and "rank 0 step 3" in seen[0].reason
     stats = guard.drain_stats()
     assert [s.step for s in stats] == list(range(7)) and guard.drain_stats() == []
     assert stats[3].memory_frac >= 0.90 and stats[5].memory_frac < 0.85
+
+
+def test_a_release_is_decided_only_where_the_allocator_holds_cache_to_free():
+    # 89 % of the card, past the watermark (prediction off): 10 % of it cached but unallocated
+    # releases; the same 89 % all allocated (a simulated card, or a CUDA allocator with no
+    # slack) does not, and the rule stays armed for a reading with cache; a bare scripted
+    # fraction does not tell the cache and keeps the watermark rule alone.
+    total = 1000
+    config = GuardConfig(memory_predict_steps=0)
+    cases = {"cached": [MemoryReading(790, 890, total)],
+             "allocated": [MemoryReading(890, 890, total)] * 2 + [MemoryReading(790, 890, total)],
+             "unknown": [0.89]}
+    got = {}
+    for name, script in cases.items():
+        guard = StepGuard(config, probe=ScriptedProbe(script, total_bytes=total),
+                          clock=FakeClock())
+        got[name] = run_steps(guard, range(len(script) + 1))
+    assert got == {"cached": {0: [Action.RELEASE_CACHE]},
+                   "allocated": {2: [Action.RELEASE_CACHE]},
+                   "unknown": {0: [Action.RELEASE_CACHE]}}
+    assert MemoryReading(790, 890, total).cached_frac == pytest.approx(0.1)
+    assert MemoryReading(890, 890, total).cached_frac == 0.0
+    assert ScriptedProbe([0.89]).read().cached_frac is None
 
 
 def test_fill_to_reaches_the_fraction():
@@ -207,7 +229,7 @@ def test_fails_open_when_probe_or_gate_raise(caplog):
     assert len(guard.drain_stats()) == 4
 
     class BrokenGate:
-        def observe(self, stats):
+        def observe(self, stats, **kwargs):
             raise ZeroDivisionError("bug")
 
     guard.gate = BrokenGate()

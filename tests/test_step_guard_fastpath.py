@@ -53,9 +53,9 @@ class CountingGate(StepGate):
         super().__init__(*args, **kwargs)
         self.num_observed = 0
 
-    def observe(self, stats):
+    def observe(self, stats, **kwargs):
         self.num_observed += 1
-        return super().observe(stats)
+        return super().observe(stats, **kwargs)
 
 
 # 60 steps of 10 ms at 50 % memory, but for one slow step (41) and two in a row (46-47): no run

@@ -232,8 +232,9 @@ def test_slow_dataset_is_attributed_to_data(restarted):
 @pytest.fixture(scope="module")
 def fsdp_memory(ray_instance, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
-    # Rank 1's memory: 0.89 of its 1.5 GiB budget at step 2 (watermark 0.88: release cache),
-    # 0.95 at step 4 (critical 0.90: checkpoint and stop). Budget: 1.5 GiB of RSS. The trend
+    # Rank 1's memory: 0.89 of its 1.5 GiB budget at step 2 (past the watermark 0.88: host
+    # memory holds no allocator cache, nothing to release), 0.95 at step 4 (critical 0.90:
+    # checkpoint and stop). Budget: 1.5 GiB of RSS. The trend
     # prediction is off (memory_predict_steps=0) so the jump to 0.89 does not escalate alone.
     config = {**BASE, "strategy": "fsdp-full", "epochs": 4, "stop_check_every_steps": 1,
               "guard": {"cpu_memory_budget_bytes": 3 * 2**29, "memory_predict_steps": 0},
@@ -258,7 +259,7 @@ def test_fsdp2_runs_through_the_template(fsdp_memory):
 def test_memory_watermark_then_critical_stops_all_ranks(fsdp_memory):
     _, result, results = fsdp_memory
     mine = [(d["action"], d["applied_at"]) for d in results["decisions"] if d["world_rank"] == 1]
-    assert ("release_cache", 3) in mine, results["decisions"]
+    assert "release_cache" not in {a for a, _ in mine}, results["decisions"]
     assert ("checkpoint_and_stop", 5) in mine, results["decisions"]
     # the memory decisions name host memory (a slow-step detection a stalled 2-core box may add
     # has its own cause and is not what this test pins)

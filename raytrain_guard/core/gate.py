@@ -62,6 +62,7 @@ class StepGate:
         self._ended_runs: deque[tuple[int, int]] = deque()   # (ending step, length) of
                                                  # streaks that ended by themselves lately
         self._num_seen = 0
+        self._settle_until = 0                   # steps before this one follow a checkpoint
         self._armed = True                       # watermark rule may fire
         self._last_release_s: float | None = None
         self._stopped = False                    # CHECKPOINT_AND_STOP already decided
@@ -70,8 +71,9 @@ class StepGate:
         self._rearm_below = config.memory_watermark_frac - config.memory_hysteresis_frac
 
     # -- public ------------------------------------------------------------------------------
-    def observe(self, stats: StepStats) -> list[Decision]:
-        """Feed one step; returns the decisions it triggers (often none)."""
+    def observe(self, stats: StepStats, *, cached_frac: float | None = None) -> list[Decision]:
+        """Feed one step; returns the decisions it triggers (often none). ``cached_frac``:
+        the part of ``stats.memory_frac`` cached but unallocated (None: not known)."""
         frac = stats.memory_frac
         if frac is None:
             decisions: list[Decision] = []
@@ -79,14 +81,15 @@ class StepGate:
             self._memory.append(float(frac))    # observe_memory's common case, one call less
             decisions = []
         else:
-            decisions = self.observe_memory(stats.step, frac, world_rank=stats.world_rank)
+            decisions = self.observe_memory(stats.step, frac, world_rank=stats.world_rank,
+                                            cached_frac=cached_frac)
         # the timing rule, inline: the threshold is the lower of slow_step_abs_s and
         # slow_step_factor x the window's median (no relative rule below three steps).
         # StepGuard feeds the gate a batch of steps at once on cold caches, where each
         # Python call counts
         cfg = self.config
         self._num_seen += 1
-        if self._num_seen <= cfg.slow_step_warmup_steps:
+        if self._num_seen <= cfg.slow_step_warmup_steps or stats.step < self._settle_until:
             return decisions
         totals = self._sorted_totals
         n = len(totals)
@@ -145,9 +148,11 @@ class StepGate:
         bisect.insort(totals, total_s)
         return decisions
 
-    def observe_memory(self, step: int, memory_frac: float, *,
-                       world_rank: int = 0) -> list[Decision]:
-        """The memory rules alone, for a reading whose step timings are not known yet."""
+    def observe_memory(self, step: int, memory_frac: float, *, world_rank: int = 0,
+                       cached_frac: float | None = None) -> list[Decision]:
+        """The memory rules alone, for a reading whose step timings are not known yet.
+        ``cached_frac``: the part of it cached but unallocated (None: not known); a cache
+        release is decided only where it is at least ``cache_release_min_frac``."""
         cfg = self.config
         frac = float(memory_frac)
         self._memory.append(frac)
@@ -158,7 +163,8 @@ class StepGate:
         decisions: list[Decision] = []
         if not self._armed and frac < rearm_below:
             self._armed = True
-        if frac >= cfg.memory_watermark_frac and self._armed and self._release_spaced():
+        if (frac >= cfg.memory_watermark_frac and self._armed and self._release_spaced()
+                and (cached_frac is None or cached_frac >= cfg.cache_release_min_frac)):
             self._armed = False
             self._last_release_s = self._clock()
             decisions.append(self._decide(
@@ -186,6 +192,11 @@ class StepGate:
                     f"{where}: memory at {frac:.1%} < {rearm_below:.0%}; stop pacing",
                     delay_s=0.0))
         return decisions
+
+    def note_pause(self, next_step: int) -> None:
+        """Training paused before ``next_step`` for a checkpoint: the slow-step rules skip it
+        and the ``slow_step_settle_steps - 1`` steps after it (the memory rules do not)."""
+        self._settle_until = next_step + self.config.slow_step_settle_steps
 
     def quiet_limits(self, num_steps: int) -> tuple[float, float] | None:
         """Bounds under which the next ``num_steps`` steps are sure to decide nothing:

@@ -37,7 +37,8 @@ class GateFeed:
         self._fail_open = fail_open
         self._stats: deque[StepStats] = deque(maxlen=max(config.step_window,
                                                          config.report_every_steps))
-        self._buffer: list[tuple[Any, float | None]] = []   # (step record, memory fraction)
+        self._buffer: list[tuple[Any, float | None, float | None]] = []   # (step record,
+                                                     # memory fraction, cached fraction)
         self._built: list[StepStats | None] = []     # StepStats drain_stats built already
         self._late: list[Decision] = []              # decided by a flush outside end_step
         self._horizon = min(config.gate_batch_steps, max(1, config.step_window // 2 - 5))
@@ -69,23 +70,25 @@ class GateFeed:
         """Finished steps waiting for the next batch."""
         return len(self._buffer)
 
-    def end_step(self, step: int, frac: float | None) -> list[Decision]:
-        """Step ``step`` ended with memory fraction ``frac``: feed the gate (now, or with the
-        next batch) and return the decisions applied."""
+    def end_step(self, step: int, frac: float | None,
+                 cached: float | None = None) -> list[Decision]:
+        """Step ``step`` ended with memory fraction ``frac``, ``cached`` of it cached but
+        unallocated (None: not known): feed the gate (now, or with the next batch) and
+        return the decisions applied."""
         if not self.fast:
             try:
                 stats = self.timer.finish_step(step, memory_frac=frac)
             except Exception:  # noqa: BLE001 - the guard fails open
                 self._fail_open.note("timer")
                 stats = None
-            return self._apply(self._observe(stats, step, frac))
+            return self._apply(self._observe(stats, step, frac, cached))
         try:
             record, total_s = self.timer.close_step(step)
         except Exception:  # noqa: BLE001
             self._fail_open.note("timer")
             decisions = self.flush()             # the gate sees the buffered steps first
-            return decisions + self._apply(self._observe(None, step, frac))
-        self._buffer.append((record, frac))
+            return decisions + self._apply(self._observe(None, step, frac, cached))
+        self._buffer.append((record, frac, cached))
         if total_s <= self._quiet_s:
             self._over = 0                       # a quiet step ends any run of slow ones
             may_wait = True
@@ -99,16 +102,17 @@ class GateFeed:
             return []
         return self.flush()
 
-    def _observe(self, stats: StepStats | None, step: int,
-                 frac: float | None) -> list[Decision]:
+    def _observe(self, stats: StepStats | None, step: int, frac: float | None,
+                 cached: float | None) -> list[Decision]:
         """Keep ``stats`` and feed them to the gate (the memory rules alone without stats)."""
         try:
             if stats is not None:
                 stats = self._with_rank(stats)
                 self._stats.append(stats)
-                return self._gate.observe(stats)
+                return self._gate.observe(stats, cached_frac=cached)
             if frac is not None:
-                return self._gate.observe_memory(step, frac, world_rank=self.world_rank)
+                return self._gate.observe_memory(step, frac, world_rank=self.world_rank,
+                                                 cached_frac=cached)
         except Exception:  # noqa: BLE001
             self._fail_open.note("gate")
         return []
@@ -119,7 +123,7 @@ class GateFeed:
         decisions, self._late = self._late, []
         buffer, self._buffer = self._buffer, []
         built, self._built = self._built, []
-        for i, (record, frac) in enumerate(buffer):
+        for i, (record, frac, cached) in enumerate(buffer):
             if i < len(built):
                 stats = built[i]                 # drained already: not kept again
             else:
@@ -127,10 +131,10 @@ class GateFeed:
                 if stats is not None:
                     self._stats.append(stats)
             if stats is None:                    # no timings: the memory rules alone
-                decisions += self._apply(self._observe(None, record.step, frac))
+                decisions += self._apply(self._observe(None, record.step, frac, cached))
                 continue
             try:
-                found = self._gate.observe(stats)
+                found = self._gate.observe(stats, cached_frac=cached)
             except Exception:  # noqa: BLE001
                 self._fail_open.note("gate")
                 found = []
@@ -147,7 +151,7 @@ class GateFeed:
         self._stats.clear()
         if len(self._buffer) > len(self._built):
             fresh = [self._stats_of(record, frac)
-                     for record, frac in self._buffer[len(self._built):]]
+                     for record, frac, _ in self._buffer[len(self._built):]]
             self._built += fresh
             out += [s for s in fresh if s is not None]
         return out

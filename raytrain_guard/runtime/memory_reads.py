@@ -32,25 +32,28 @@ class MemoryReads:
         self._growth_per_step = REUSE_MARGIN_FRAC / every
         self._max_steps = REUSE_MAX_FACTOR * every - 1
         self._left = 0
-        self._reused: float | None = None
+        self._reused: tuple[float | None, float | None] = (None, None)
 
-    def read(self, *, may_reuse: bool) -> float | None:
-        """This step's fraction. ``may_reuse``: the caller's other rules are settled (the
-        gate's quiet bounds are known), so a low reading may stand for the next steps. A probe
-        that raises raises here: the caller fails open."""
+    def read(self, *, may_reuse: bool) -> tuple[float | None, float | None]:
+        """This step's fraction and cached fraction (:attr:`MemoryReading.cached_frac`).
+        ``may_reuse``: the caller's other rules are settled (the gate's quiet bounds are
+        known), so a low reading may stand for the next steps. A probe that raises raises
+        here: the caller fails open."""
         if self._left > 0:
             self._left -= 1
             return self._reused
         if self.probe is None:
-            return None
-        frac = self.probe.read().frac
+            return None, None
+        reading = self.probe.read()
+        frac = reading.frac
+        cached = getattr(reading, "cached_frac", None)
         if self._reuse_steps and may_reuse and frac is not None and frac < self._below:
             # the farther below the line, the longer memory growing at the sized rate needs
             # to reach it
             extra = int((self._below - frac) / self._growth_per_step)
             self._left = min(self._max_steps, self._reuse_steps + extra)
-            self._reused = frac
-        return frac
+            self._reused = (frac, cached)
+        return frac, cached
 
     def forget(self) -> None:
         """Read the probe at the next step (after a restore)."""

@@ -30,18 +30,28 @@ class MemoryReading:
     ``used_bytes``: held by live tensors (CUDA: ``memory_allocated``) or by the process (CPU:
     RSS, or USS). ``reserved_bytes``: held by the allocator, cache included (CUDA:
     ``memory_reserved``; CPU: the same as used). ``total_bytes``: the budget they count
-    against (the card, or the CPU budget).
+    against (the card, or the CPU budget). ``cache_known``: whether reserved minus used is the
+    allocator's cache (False for a bare scripted fraction).
     """
 
     used_bytes: int
     reserved_bytes: int
     total_bytes: int
+    cache_known: bool = True
 
     @property
     def frac(self) -> float:
         """What this rank holds of its budget: ``max(used, reserved) / total``. A cache release
         lowers it; the gate's watermark and critical rules read it."""
         return max(self.used_bytes, self.reserved_bytes) / self.total_bytes
+
+    @property
+    def cached_frac(self) -> float | None:
+        """Cached but unallocated (reserved - used) over the total: what a cache release can
+        give back (0 on CPU and on a simulated card); None when not known."""
+        if not self.cache_known:
+            return None
+        return max(0, self.reserved_bytes - self.used_bytes) / self.total_bytes
 
     @property
     def used_frac(self) -> float:
@@ -191,7 +201,7 @@ class ScriptedProbe:
         if isinstance(item, MemoryReading):
             return item
         used = int(float(item) * self.total_bytes)
-        return MemoryReading(used, used, self.total_bytes)
+        return MemoryReading(used, used, self.total_bytes, cache_known=False)
 
 
 class FailingProbe:

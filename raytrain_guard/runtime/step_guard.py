@@ -100,13 +100,18 @@ class StepGuard:
         if self.fault_injector is not None and self.timer.pending_phase == "optimizer":
             self.fault_injector.on_mark(step, "optimizer")
         try:
-            frac = self._memory.read(may_reuse=self.feed.quiet)
+            frac, cached = self._memory.read(may_reuse=self.feed.quiet)
         except Exception:  # noqa: BLE001 - the guard fails open
             self._fail_open.note("probe")
-            frac = None
-        decisions = self.feed.end_step(step, frac)
+            frac = cached = None
+        decisions = self.feed.end_step(step, frac, cached)
         self._step = step + 1
         return decisions
+
+    def note_pause(self) -> None:
+        """Training paused after the last step for a checkpoint: the gate lets the next steps
+        settle (:meth:`StepGate.note_pause`)."""
+        self._fail_open.call("note_pause", lambda: self.feed.gate.note_pause(self._step))
 
     @property
     def gate(self) -> Any:

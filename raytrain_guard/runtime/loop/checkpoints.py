@@ -68,6 +68,7 @@ class CheckpointsMixin:
                        else None},
                 loss=float(self._last_loss) if self._last_loss is not None else None)
             self.reporter.report(self._report_metrics(meta, metrics), tmp)
+        self.guard.note_pause()
         logger.info("rank %d: checkpoint at step %d", self.rank, self.step)
 
     def _report_metrics(self, meta: Mapping[str, Any], metrics: Mapping[str, Any]
