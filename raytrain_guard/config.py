@@ -147,9 +147,10 @@ class GuardConfig:
         "step uses one big bucket and rebuilds its buckets, lazy initialisation and compilation "
         "happen then too.", 0)
     slow_step_settle_steps: int = _doc(
-        3, "Steps after a checkpoint that the slow-step rules ignore (kept out of the median), "
-        "as the first steps of a run: the checkpoint's aftermath (the controller's bookkeeping, "
-        "an asynchronous upload) competes with them. Default 3: on the 2-core CI box the "
+        3, "Steps after a checkpoint, and after a restore from one, that the slow-step rules "
+        "ignore (kept out of the median), as the first steps of a run: the checkpoint's "
+        "aftermath (the controller's bookkeeping, an asynchronous upload) competes with them, "
+        "and a restored run starts in fresh processes. Default 3: on the 2-core CI box the "
         "three steps after a checkpoint ran twice their compute on both ranks: one of the two "
         "slow-step events in 7,200 clean rank-steps of the built-in experiment model.", 0)
     straggler_frac: float = _doc(

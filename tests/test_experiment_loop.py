@@ -198,3 +198,15 @@ def test_the_steps_after_a_checkpoint_settle_and_later_ones_are_judged(tmp_path)
     # steps from 14 are named at their third (the boundary after step 16, 17 steps done).
     assert _slow_step_events(tmp_path, "after", 10) == []
     assert _slow_step_events(tmp_path, "later", 14) == [17]
+
+
+def test_a_resumed_runs_first_steps_settle(tmp_path):
+    # A run of 10 steps leaves its checkpoint; the run resumed from it (new loop, restored
+    # gate) has its first three steps six times slower in compute: the fresh start's
+    # aftermath to the gate, no event, where the restored gate is past its warm-up.
+    _run(tmp_path, "resumed", faults=())[1]()
+    slow = parse_fault("slow_compute:rank=0,start=10,stop=13,factor=6")
+    loop, run = _run(tmp_path, "resumed", faults=(slow,), max_steps=20)
+    run()
+    assert loop.resumed_from == 10
+    assert [d for d in loop.decisions if d["action"] == "slow_step"] == []

@@ -194,9 +194,13 @@ class StepGate:
         return decisions
 
     def note_pause(self, next_step: int) -> None:
-        """Training paused before ``next_step`` for a checkpoint: the slow-step rules skip it
-        and the ``slow_step_settle_steps - 1`` steps after it (the memory rules do not)."""
-        self._settle_until = next_step + self.config.slow_step_settle_steps
+        """Training paused before ``next_step`` (a checkpoint, or a restore in fresh
+        processes): the slow-step rules skip it and the steps after it, as many as
+        ``slow_step_settle_steps`` and ``slow_step_warmup_steps`` ask (the memory rules do
+        not)."""
+        cfg = self.config
+        self._settle_until = next_step + max(cfg.slow_step_settle_steps,
+                                             cfg.slow_step_warmup_steps)
 
     def quiet_limits(self, num_steps: int) -> tuple[float, float] | None:
         """Bounds under which the next ``num_steps`` steps are sure to decide nothing:

@@ -108,10 +108,12 @@ class StepGuard:
         self._step = step + 1
         return decisions
 
-    def note_pause(self) -> None:
-        """Training paused after the last step for a checkpoint: the gate lets the next steps
-        settle (:meth:`StepGate.note_pause`)."""
-        self._fail_open.call("note_pause", lambda: self.feed.gate.note_pause(self._step))
+    def note_pause(self, next_step: int | None = None) -> None:
+        """Training paused before ``next_step`` (default: the step after the last one) for a
+        checkpoint or a restore: the gate lets the next steps settle
+        (:meth:`StepGate.note_pause`)."""
+        step = self._step if next_step is None else next_step
+        self._fail_open.call("note_pause", lambda: self.feed.gate.note_pause(step))
 
     @property
     def gate(self) -> Any:

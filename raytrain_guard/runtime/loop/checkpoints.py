@@ -49,6 +49,7 @@ class CheckpointsMixin:
                 logger.warning("rank %d: guard state not restored", self.rank, exc_info=True)
         self.step = int(state["step"])
         self.resumed_from = self.step
+        self.guard.note_pause(self.step)     # fresh processes: their first steps settle
         logger.info("rank %d: resumed at step %d, loader %s", self.rank, self.step,
                     self.loader.state_dict())
 
