@@ -49,8 +49,10 @@ CASES = (
 EXTRA = {"_fsdp": ["--strategy", "fsdp-full"]}
 
 
-def run_case(name: str, faults: list[str], steps: int, out: str) -> dict:
-    argv = ["experiment", "--steps", str(steps), "--out", os.path.join(out, name), "--json"]
+def run_case(name: str, faults: list[str], steps: int, out: str, *,
+             act_first: bool = False) -> dict:
+    argv = ["experiment", "--steps", str(steps), "--out", os.path.join(out, name), "--json",
+            "--arms", "act,observe" if act_first else "observe,act"]
     argv += [a for suffix, extra in EXTRA.items() if name.endswith(suffix) for a in extra]
     for f in faults:
         argv += ["--fault", f]
@@ -64,7 +66,8 @@ def run_case(name: str, faults: list[str], steps: int, out: str) -> dict:
 
 def row(name: str, target: str, results: list[dict]) -> str:
     """One table row: the first run's figures; the pace ratio and the steps to naming the fault
-    of every run (``--repeat``), since one run's pace moves by several % on a shared box."""
+    of every run (``--repeat``, odd runs act first), since one run's pace moves by several %
+    on a shared box."""
     o, a = results[0]["arms"]["observe"], results[0]["arms"]["act"]
 
     def done(arm):
@@ -127,7 +130,9 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         t0 = time.perf_counter()
-        results = [run_case(name, faults, steps, os.path.join(out, f"run{i}") if i else out)
+        # odd runs act first: drift of a shared box over a run does not favour one arm
+        results = [run_case(name, faults, steps, os.path.join(out, f"run{i}") if i else out,
+                            act_first=i % 2 == 1)
                    for i in range(args.repeat)]
         print(row(name, target, results), flush=True)
         print(f"  ({name}: {time.perf_counter() - t0:.0f} s, report {results[0]['report']})",
