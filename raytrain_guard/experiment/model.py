@@ -16,7 +16,7 @@ DIM = 32
 #: 128 positions: a step of ~8 ms on a 2-core CPU box, two thirds of it compute, so most of the
 #: box's own bursts (Ray Train's controller, a checkpoint: 10-30 ms of CPU) reach one or two
 #: steps, as they would next to a GPU step. At 32 positions (3 ms steps) they made 3-8 slow
-#: steps in a row: 23 slow-step events in 18,361 clean rank-steps; at 128, 6 in 24,000
+#: steps in a row: 23 slow-step events in 18,361 clean rank-steps; at 128, 7 in 33,600
 #: (docs/benchmarks.md, "The before/after experiment")
 SEQ_LEN = 128
 NUM_SAMPLES = 1600       # divisible by 2, 4 and 8 ranks at micro-batch 8: no sampler padding
