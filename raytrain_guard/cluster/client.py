@@ -437,7 +437,10 @@ class ScriptedDecisionSource:
 class _NoDecisions:
     """What a decision source that could not start falls back to (on every rank alike)."""
 
-    applied: list[tuple[int, int]] = []
+    @property
+    def applied(self) -> list[tuple[int, int]]:
+        """(step, decision id) of the decisions applied: none."""
+        return []
 
     def poll(self, step: int, stats: Any = None) -> list[Decision]:
         return []

@@ -86,8 +86,8 @@ class RunSummary:
             + (f"; stopped early: {self.stop_reason}" if self.stopped_early else ""),
             f"  throughput   {s(self.samples_per_s, ' samples/s', '.1f')}",
             f"  step time    p50 {s(self.step_p50_s)}   p99 {s(self.step_p99_s)}",
-            f"  data wait    {'-' if self.data_wait_frac is None else f'{self.data_wait_frac:.1%}'}"
-            " of the step time",
+            (f"  data wait    {'-' if self.data_wait_frac is None else f'{self.data_wait_frac:.1%}'}"
+             " of the step time"),
         ]
         if self.plan:
             lines.append(f"  plan         {self.plan}")

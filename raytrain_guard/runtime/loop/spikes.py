@@ -8,7 +8,8 @@ import statistics
 from typing import Any
 
 from raytrain_guard.core.memory_model import Strategy
-from raytrain_guard.runtime.loop.steps import _batch_bytes, _batch_elements
+from raytrain_guard.runtime.batches import batch_nbytes, leading_batch_size, map_tensors
+from raytrain_guard.runtime.loop.steps import _batch_elements
 
 logger = logging.getLogger("raytrain_guard.runtime.train_loop")
 
@@ -41,8 +42,6 @@ class SpikesMixin:
         checkpoint before the out-of-memory). Only when the guard acts. Under FSDP every rank
         must run the same forwards (each one gathers and scatters with the others): the ranks
         agree on the most pieces any of them needs (:meth:`_agreed_pieces`) and all split."""
-        from raytrain_guard.runtime.batches import leading_batch_size, map_tensors
-
         size = leading_batch_size(batch) or 1
         wanted, entry = self._priced_pieces(batch, size)
         pieces = wanted
@@ -110,7 +109,7 @@ class SpikesMixin:
                   f"{self.config.guard.memory_watermark_frac:.0%})")
         entry["predicted"] = {"peak_frac": round((card.base_bytes + predicted)
                                                  / card.capacity_bytes, 4)}
-        held = _batch_bytes(batch)
+        held = batch_nbytes(batch)
         if not self.config.act or room <= held:
             return 1, entry
         # the whole batch stays on the card while its pieces run: only the rest divides
@@ -120,7 +119,7 @@ class SpikesMixin:
     def _piece_bytes(self, batch: Any, pieces: int) -> float:
         """A piece's activation bytes at its peak: the batch itself (on the card in full, the
         pieces are views of it) and its share of the rest."""
-        held = _batch_bytes(batch)
+        held = batch_nbytes(batch)
         rest = max(0.0, (self._act_per_elem or 0.0) * _batch_elements(batch) - held)
         return held + rest / pieces
 

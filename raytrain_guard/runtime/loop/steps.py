@@ -29,11 +29,6 @@ def _batch_elements(batch: Any) -> int:
     return sum(t.numel() for t in iter_tensors(batch))
 
 
-def _batch_bytes(batch: Any) -> int:
-    from raytrain_guard.runtime.batches import iter_tensors
-    return sum(t.numel() * t.element_size() for t in iter_tensors(batch))
-
-
 class StepsMixin:
     """The steps: micro-batches in steps of ``grad_accum`` (a shorter one at an epoch's end), each
     micro-batch's forward and backward with its share of the step's samples, clipping, the
