@@ -28,17 +28,27 @@ def read_steps(trace_dir: str) -> dict[int, list[dict]]:
     for path in sorted(glob.glob(os.path.join(trace_dir, "rank*.jsonl"))):
         rank = int(os.path.basename(path)[len("rank"):-len(".jsonl")])
         with open(path) as fh:
-            out[rank] = [r for r in map(json.loads, fh) if r.get("t") == "step"]
+            out[rank] = [r for r in map(json.loads, fh) if r.get("t") in ("step", "start")]
     return out
 
 
-def replay(rows: list[dict], rank: int, config: GuardConfig) -> list[tuple[int, str]]:
-    """(step, cause) of each slow-step event the gate decides on ``rows``."""
+def replay(rows: list[dict], rank: int, config: GuardConfig,
+           checkpoint_every: int = 0) -> list[tuple[int, str]]:
+    """(step, cause) of each slow-step event the gate decides on ``rows`` (``step`` and
+    ``start`` records), with the pauses the train loop notes: after every ``checkpoint_every``
+    steps and at a resume."""
     gate = StepGate(config)
     events = []
     for r in rows:
+        if r["t"] == "start":
+            if r.get("resumed_from"):
+                gate = StepGate(config)      # fresh processes; the restored gate is not kept
+                gate.note_pause(int(r["resumed_from"]))
+            continue
+        if checkpoint_every and r["step"] > 1 and (r["step"] - 1) % checkpoint_every == 0:
+            gate.note_pause(r["step"])
         stats = StepStats(r["step"], r["total_s"], r["data_wait_s"], r["compute_s"], 0.0,
-                          r["comm_wait_s"], 0.0, None, rank)
+                          r["comm_wait_s"], 0.0, None, rank, r.get("cpu_wait_s"))
         events += [(r["step"], d.cause.value) for d in gate.observe(stats)
                    if d.action.value == "slow_step"]
     return events
@@ -54,13 +64,23 @@ def main() -> None:
     parser.add_argument("trace_dirs", nargs="+")
     parser.add_argument("--set", dest="settings", action="append", type=_setting, default=[],
                         metavar="FIELD=VALUE", help="a GuardConfig field (JSON value)")
+    parser.add_argument("--checkpoint-every", type=int, default=25, metavar="K",
+                        help="steps between the run's checkpoints, after each of which the gate "
+                        "lets steps settle (the experiment's: 25; 0: none)")
+    parser.add_argument("--totals", action="store_true",
+                        help="only the line with the events of all traces")
     args = parser.parse_args()
     config = GuardConfig.from_dict(dict(args.settings), source="--set")
+    num_steps = num_events = 0
     for trace_dir in args.trace_dirs:
         for rank, rows in read_steps(trace_dir).items():
-            events = replay(rows, rank, config)
-            print(f"{trace_dir} rank {rank}: {len(rows)} steps, {len(events)} events "
-                  f"{events}")
+            events = replay(rows, rank, config, args.checkpoint_every)
+            steps = sum(r["t"] == "step" for r in rows)
+            num_steps += steps
+            num_events += len(events)
+            if not args.totals:
+                print(f"{trace_dir} rank {rank}: {steps} steps, {len(events)} events {events}")
+    print(f"{len(args.trace_dirs)} traces: {num_events} events in {num_steps} rank-steps")
 
 
 if __name__ == "__main__":

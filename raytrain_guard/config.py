@@ -153,6 +153,15 @@ class GuardConfig:
         "and a restored run starts in fresh processes. Default 3: on the 2-core CI box the "
         "three steps after a checkpoint ran twice their compute on both ranks: one of the two "
         "slow-step events in 7,200 clean rank-steps of the built-in experiment model.", 0)
+    slow_step_host_wait_frac: float = _doc(
+        0.5, "A slow step whose training thread waited for a CPU (runnable, not running: "
+        "StepStats.cpu_wait_s, from /proc/thread-self/schedstat) for at least this fraction of "
+        "the step's excess over the recent median is the host's contention (another process, "
+        "too many loader workers), not the rank's slowdown: it neither counts toward a run of "
+        "slow steps nor ends one (StepGate.num_host_starved counts it). 0 turns the rule off. "
+        "Default 0.5: a step that shares its core with one busy thread runs at half speed and "
+        "waits as long as it grew (ratio 1); a slow device, link or data source makes the "
+        "thread wait voluntarily (ratio 0).", 0.0)
     straggler_frac: float = _doc(
         0.10, "Across ranks, a rank is a straggler when its compute (or data wait) exceeds the other "
         "ranks' median by more than this fraction of their median step time, and waiting when "

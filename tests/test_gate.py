@@ -163,6 +163,43 @@ def test_the_steps_after_a_checkpoint_settle_before_they_are_judged():
     assert [i for i, _ in feed_steps(StepGate(GuardConfig()), kinds)] == [10]
 
 
+# A step slowed by host contention: its compute grew 0.100 s and its thread waited for a CPU
+# 0.100 s over the usual 0.001 (the other process had the core). "starved_half": it waited
+# 0.051 s, just over slow_step_host_wait_frac (0.5) x 0.100 s of excess.
+WAITING = {"n": dict(NORMAL, cpu_wait_s=0.001), "compute": dict(SLOW["compute"], cpu_wait_s=0.001),
+           "starved": dict(SLOW["compute"], cpu_wait_s=0.101),
+           "starved_half": dict(SLOW["compute"], cpu_wait_s=0.052),
+           "under_half": dict(SLOW["compute"], cpu_wait_s=0.050)}
+
+
+def feed_waiting(gate: StepGate, kinds) -> list[int]:
+    return [i for i, kind in enumerate(kinds)
+            for d in gate.observe(StepStats(step=i, **WAITING[kind]))
+            if d.action is Action.SLOW_STEP]
+
+
+HOST_WAIT_CASES = [
+    # (name, config changes, kinds, expected event indices, host-starved steps)
+    ("three starved steps are the host's, not the rank's", {}, WARM + ["starved"] * 3, [], 3),
+    ("the same steps without the wait are an event", {}, WARM + ["compute"] * 3, [10], 0),
+    ("half the excess waited is the host's", {}, WARM + ["starved_half"] * 3, [], 3),
+    ("under half is the rank's", {}, WARM + ["under_half"] * 3, [10], 0),
+    # a starved step inside a real slowdown neither counts nor ends the run
+    ("a starved step inside a run", {}, WARM + ["compute", "starved", "compute", "compute"],
+     [11], 1),
+    ("0 turns the rule off", {"slow_step_host_wait_frac": 0.0}, WARM + ["starved"] * 3, [10], 0),
+]
+
+
+@pytest.mark.parametrize("name,changes,kinds,expected,starved", HOST_WAIT_CASES,
+                         ids=[c[0] for c in HOST_WAIT_CASES])
+def test_a_step_slowed_by_waiting_for_a_cpu_is_the_hosts(name, changes, kinds, expected,
+                                                        starved):
+    gate = StepGate(GuardConfig(**changes))
+    assert feed_waiting(gate, kinds) == expected
+    assert gate.num_host_starved == starved
+
+
 SLOW_CASES = [
     # (name, config changes, kinds, expected [(index, cause)])
     ("data grew", {}, WARM + ["data"] * 3, [(10, Cause.DATA)]),

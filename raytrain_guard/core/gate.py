@@ -62,6 +62,8 @@ class StepGate:
         self._ended_runs: deque[tuple[int, int]] = deque()   # (ending step, length) of
                                                  # streaks that ended by themselves lately
         self._num_seen = 0
+        #: slow steps whose excess was the thread's wait for a CPU (not counted as slow)
+        self.num_host_starved = 0
         self._settle_until = 0                   # steps before this one follow a checkpoint
         self._armed = True                       # watermark rule may fire
         self._last_release_s: float | None = None
@@ -118,7 +120,12 @@ class StepGate:
             # the whole step hides a straggler's slowdown behind the wait it no longer has
             cause, slow = self._component_slow(stats, median_s)
             by_part = slow
-        if slow:
+        if slow and self._host_starved(stats):
+            # the thread waited for a CPU about as long as the step grew: the host's contention
+            # (another process, too many loader workers), not this rank's slowdown. The step
+            # neither counts toward a run of slow steps nor ends one
+            self.num_host_starved += 1
+        elif slow:
             # persistence in one cause: a step slow in another component than the run's starts
             # a new run (random outliers land in random phases; a real slowdown stays put)
             if cause is None:       # the component that grew most (UNKNOWN: the untimed rest)
@@ -365,6 +372,20 @@ class StepGate:
         longest = max((n for _, n in ended), default=0)
         return min(MAX_PERSISTENCE_FACTOR * cfg.num_slow_steps,
                    max(cfg.num_slow_steps, longest + 1))
+
+    def _host_starved(self, stats: StepStats) -> bool:
+        """Whether the training thread waited for a CPU (``cpu_wait_s``, over its median in the
+        window) at least ``slow_step_host_wait_frac`` of the step's excess over the window's
+        median step (the floor at least: a step slow by its parts may have grown less)."""
+        frac = self.config.slow_step_host_wait_frac
+        wait_s = stats.cpu_wait_s
+        totals = self._sorted_totals
+        if frac <= 0 or wait_s is None or not totals:
+            return False
+        usual_s = statistics.median([s.cpu_wait_s for s in self._window
+                                     if s.cpu_wait_s is not None] or [0.0])
+        excess_s = max(stats.total_s - statistics.median(totals), self.config.slow_step_floor_s)
+        return wait_s - usual_s >= frac * excess_s
 
     def _most_grown(self, stats: StepStats) -> tuple[Cause, float, list[float]]:
         """(cause, growth in seconds, the window's values) of the component that grew most

@@ -13,6 +13,9 @@ class StepStats:
     ``comm_wait_s`` is the time the step waited for gradient communication beyond compute:
     under DDP a rank that is slow in compute waits *least* here, so a straggler shows as the
     rank with the smallest communication wait while the others wait for it.
+
+    ``cpu_wait_s`` is the time the training thread waited for a CPU during the step (runnable,
+    not running: the host's contention, not the rank's slowness); None where not measured.
     """
 
     step: int
@@ -24,18 +27,20 @@ class StepStats:
     optimizer_s: float = 0.0
     memory_frac: float | None = None    # device (or CPU budget) memory fraction after the step
     world_rank: int = 0
+    cpu_wait_s: float | None = None
 
     def __init__(self, step: int, total_s: float, data_wait_s: float = 0.0,
                  forward_s: float = 0.0, backward_s: float = 0.0, comm_wait_s: float = 0.0,
                  optimizer_s: float = 0.0, memory_frac: float | None = None,
-                 world_rank: int = 0) -> None:
+                 world_rank: int = 0, cpu_wait_s: float | None = None) -> None:
         # The fields above, in their order, with their defaults (a test holds the two lists
-        # together). One dict update instead of the frozen dataclass's nine object.__setattr__
+        # together). One dict update instead of the frozen dataclass's ten object.__setattr__
         # calls: one StepStats is built per training step, and this halves its cost.
         self.__dict__.update(step=step, total_s=total_s, data_wait_s=data_wait_s,
                              forward_s=forward_s, backward_s=backward_s,
                              comm_wait_s=comm_wait_s, optimizer_s=optimizer_s,
-                             memory_frac=memory_frac, world_rank=world_rank)
+                             memory_frac=memory_frac, world_rank=world_rank,
+                             cpu_wait_s=cpu_wait_s)
 
     @property
     def compute_s(self) -> float:

@@ -50,7 +50,8 @@ class StepGuard:
         self.config = config
         self.act = act      # False: decide and log, apply nothing (the experiment's observe arm)
         self.probe = probe
-        self.timer = timer if timer is not None else StepTimer(world_rank=world_rank)
+        self.timer = timer if timer is not None else StepTimer.measuring_cpu_wait(
+            world_rank=world_rank)
         self.world_rank = world_rank
         self.on_decision = on_decision
         self.fault_injector = fault_injector

@@ -33,8 +33,8 @@ UNTIMED = -1
 class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
-    __slots__ = ("collectives", "done", "last_ready", "lender", "lends_end", "marks",
-                 "released", "step")
+    __slots__ = ("collectives", "cpu_wait", "done", "last_ready", "lender", "lends_end",
+                 "marks", "released", "step")
 
     def __init__(self, start: Any, lender: _StepRecord | None = None) -> None:
         self.step: int | None = None     # None: nobody began it (it opened where the last ended)
@@ -43,6 +43,7 @@ class _StepRecord:
         self.done: list[Any] = []        # stamps of allreduce completions
         # host clock only: (start, end) of collectives the training thread blocked in (FSDP2)
         self.collectives: list[tuple[float, float]] = []
+        self.cpu_wait: float | None = None   # the training thread's run-queue wait, seconds
         # CUDA event pooling: a step that starts where the previous one ended shares that
         # record's end event; the later step gives it back, never the lender
         self.lender = lender
@@ -107,11 +108,15 @@ class StepTimer:
 
     ``device``: ``"cuda"`` (or a CUDA ``torch.device``) for event timing on the GPU timeline,
     anything else for host time. ``clock`` is the host clock (tests pass a fake one).
-    ``max_pending`` bounds the CUDA steps waiting for their events.
+    ``max_pending`` bounds the CUDA steps waiting for their events. ``cpu_wait``: the training
+    thread's cumulative run-queue wait in seconds (a
+    :class:`~raytrain_guard.runtime.cpu_wait.ThreadCpuWait`'s ``read``; None: not measured),
+    read when a step begins and closes, for ``StepStats.cpu_wait_s``.
     """
 
     def __init__(self, *, device: Any = None, clock: Callable[[], float] = time.perf_counter,
-                 world_rank: int = 0, max_pending: int = 4) -> None:
+                 world_rank: int = 0, max_pending: int = 4,
+                 cpu_wait: Callable[[], float | None] | None = None) -> None:
         self.world_rank = world_rank
         self._clock = clock
         self._cuda = str(device).startswith("cuda") if device is not None else False
@@ -120,6 +125,16 @@ class StepTimer:
         self._dropped = 0
         self._events = _EventPool() if self._cuda else None
         self._record = _StepRecord(self._stamp())
+        self._cpu_wait = cpu_wait
+        self._cpu_wait_at_start: float | None = None   # read when the current step began
+
+    @classmethod
+    def measuring_cpu_wait(cls, **kwargs: Any) -> StepTimer:
+        """A timer that also measures the training thread's wait for a CPU (the train loop's
+        and the workers' timers)."""
+        from raytrain_guard.runtime.cpu_wait import ThreadCpuWait
+
+        return cls(cpu_wait=ThreadCpuWait().read, **kwargs)
 
     def begin_step(self, step: int) -> None:
         """Start timing ``step`` now (optional: a step otherwise starts where the last ended)."""
@@ -127,6 +142,8 @@ class StepTimer:
             self._events.discard(self._record)
         self._record = _StepRecord(self._stamp())
         self._record.step = step
+        if self._cpu_wait is not None:
+            self._cpu_wait_at_start = self._cpu_wait()
 
     @property
     def step_begun(self) -> bool:
@@ -161,6 +178,7 @@ class StepTimer:
         record = self._record
         record.step = step
         record.marks.append((UNTIMED, end))
+        self._close_cpu_wait(record)
         self._record = _StepRecord(end, record if self._cuda else None)
         if not self._cuda:
             return self._stats(record, None, memory_frac)
@@ -198,6 +216,7 @@ class StepTimer:
         record = self._record
         record.step = step
         record.marks.append((UNTIMED, end))
+        self._close_cpu_wait(record)
         self._record = _StepRecord(end)
         return record, end - record.marks[0][1]
 
@@ -225,6 +244,16 @@ class StepTimer:
         return self._clock()
 
     # -- internals ---------------------------------------------------------------------------
+    def _close_cpu_wait(self, record: _StepRecord) -> None:
+        """The run-queue wait of the step now closing; the next step starts from here."""
+        if self._cpu_wait is None:
+            return
+        now = self._cpu_wait()
+        start = self._cpu_wait_at_start
+        if now is not None and start is not None:
+            record.cpu_wait = now - start
+        self._cpu_wait_at_start = now
+
     def _stamp(self) -> Any:
         if self._events is None:
             return self._clock()
@@ -256,7 +285,7 @@ class StepTimer:
                 comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
         return StepStats(record.step, total_s, sums[0], sums[1],      # positional: per step
                          max(0.0, sums[2] - comm_wait_s), comm_wait_s + blocked_s, sums[3],
-                         memory_frac, self.world_rank)
+                         memory_frac, self.world_rank, record.cpu_wait)
 
 
 def _blocked_by_phase(marks: list[tuple[int, Any]], collectives: list[tuple[float, float]],

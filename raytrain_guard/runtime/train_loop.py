@@ -198,7 +198,7 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
         self.faults = _fault_injector(cfg.faults, self.rank, FaultInjector)
         self.memory_faults = [m for m in cfg.faults.get("memory", ())
                               if int(m.get("rank", 0)) == self.rank]
-        timer = StepTimer(device=self.device, world_rank=self.rank)
+        timer = StepTimer.measuring_cpu_wait(device=self.device, world_rank=self.rank)
         self.guard = StepGuard(cfg.guard, probe=self._probe(), timer=timer,
                                world_rank=self.rank, fault_injector=self.faults, act=cfg.act)
         # the loader opens the steps and times their data phase (see _train); not with faults

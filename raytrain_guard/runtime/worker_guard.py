@@ -88,7 +88,7 @@ class WorkerGuard:
         self.ctx = self._context or current_context()
         self.rank, self.world_size = self.ctx.world_rank, self.ctx.world_size
         self.device = worker_device(self.ctx)
-        timer = StepTimer(device=self.device, world_rank=self.rank)
+        timer = StepTimer.measuring_cpu_wait(device=self.device, world_rank=self.rank)
         self.step_guard = StepGuard(self.config, probe=memory_probe(self.device, self.ctx,
                                                                     self.config),
                                     timer=timer, world_rank=self.rank)

@@ -1,0 +1,132 @@
+"""The training thread's wait for a CPU: the timer's per-step figure, the real reader, and the
+gate telling a host's contention from a rank's slowdown on real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.decisions import Action
+from raytrain_guard.runtime.cpu_wait import ThreadCpuWait
+from raytrain_guard.runtime.step_guard import StepGuard
+from raytrain_guard.runtime.timing import StepTimer
+
+HAS_SCHEDSTAT = os.path.exists("/proc/thread-self/schedstat") and hasattr(os, "sched_setaffinity")
+needs_schedstat = pytest.mark.skipif(not HAS_SCHEDSTAT,
+                                     reason="needs Linux /proc/thread-self/schedstat")
+
+
+def test_the_timer_gives_each_step_the_wait_between_its_start_and_its_close():
+    readings = iter([1.0, 1.25, 1.5, 3.0, 3.5])   # begin 0, close 0, close 1, begin 2, close 2
+    clock = iter(float(i) for i in range(100))
+    timer = StepTimer(clock=lambda: next(clock), cpu_wait=lambda: next(readings))
+    timer.begin_step(0)
+    first = timer.finish_step(0)
+    second = timer.finish_step(1)             # starts where step 0 closed
+    assert (first.cpu_wait_s, second.cpu_wait_s) == (0.25, 0.25)
+    timer.begin_step(2)                       # begun anew: the time between steps is left out
+    assert timer.finish_step(2).cpu_wait_s == 0.5
+    assert StepTimer(clock=lambda: 0.0).finish_step(0).cpu_wait_s is None
+
+
+def test_a_reader_without_its_file_gives_none_and_stops_asking(tmp_path):
+    reader = ThreadCpuWait(str(tmp_path / "missing"))
+    assert reader.read() is None
+    assert reader.read() is None
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _busy_child(cpu: int, ready, seconds: float) -> None:
+    os.sched_setaffinity(0, {cpu})
+    ready.set()
+    _spin(seconds)
+
+
+@contextlib.contextmanager
+def _pinned_to_one_cpu():
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@contextlib.contextmanager
+def _contender(cpu: int, seconds: float = 30.0):
+    """Another process spinning on ``cpu`` (the host's contention) until the block ends."""
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_busy_child, args=(cpu, ready, seconds), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(10)
+        yield
+    finally:
+        child.kill()
+        child.join(10)
+
+
+@needs_schedstat
+def test_the_reader_sees_a_busy_neighbour_and_not_a_sleep():
+    reader = ThreadCpuWait()
+    with _pinned_to_one_cpu() as cpu:
+        start = reader.read()
+        time.sleep(0.2)                       # a voluntary wait is no wait for a CPU
+        slept = reader.read() - start
+        with _contender(cpu):
+            start = reader.read()
+            _spin(0.4)                        # about half of it on the CPU, half waiting
+            contended = reader.read() - start
+    assert slept < 0.05
+    assert contended > 0.1
+
+
+def _work_step(guard: StepGuard, step: int, *, sleep_s: float = 0.0) -> list:
+    guard.begin_step(step)
+    with guard.phase("forward"):
+        _spin(0.005)
+        if sleep_s:
+            time.sleep(sleep_s)               # a slow device: the thread waits, voluntarily
+    return guard.end_step(step)
+
+
+@needs_schedstat
+def test_a_busy_neighbour_is_not_named_a_slow_rank_and_a_slow_device_still_is():
+    # One core shared with another spinning process doubles every step for 5 steps: the steps
+    # are slow, but the thread waited for the CPU as long as they grew, so no slow-step event.
+    # Five steps slowed by a 10 ms sleep (a slow device) afterwards are named compute.
+    guard = StepGuard(GuardConfig())
+    events, step = [], 0
+    with _pinned_to_one_cpu() as cpu:
+        for _ in range(30):
+            events += _work_step(guard, step)
+            step += 1
+        with _contender(cpu):
+            for _ in range(5):
+                events += _work_step(guard, step)
+                step += 1
+        contended = [d for d in events if d.action is Action.SLOW_STEP]
+        starved = guard.gate.num_host_starved
+        for _ in range(10):
+            events += _work_step(guard, step)
+            step += 1
+        for _ in range(5):
+            events += _work_step(guard, step, sleep_s=0.010)
+            step += 1
+        guard.feed.flush()
+    assert contended == [], [d.reason for d in contended]
+    assert starved >= 3
+    named = [d for d in events if d.action is Action.SLOW_STEP]
+    assert len(named) == 1 and named[0].cause.value == "compute", [d.reason for d in named]
