@@ -45,8 +45,8 @@ def replay(rows: list[dict], rank: int, config: GuardConfig,
                 gate = StepGate(config)      # fresh processes; the restored gate is not kept
                 gate.note_pause(int(r["resumed_from"]))
             continue
-        if checkpoint_every and r["step"] > 1 and (r["step"] - 1) % checkpoint_every == 0:
-            gate.note_pause(r["step"])
+        if checkpoint_every and r["step"] and r["step"] % checkpoint_every == 0:
+            gate.note_pause(r["step"])       # trace steps count from 0: K steps done before it
         stats = StepStats(r["step"], r["total_s"], r["data_wait_s"], r["compute_s"], 0.0,
                           r["comm_wait_s"], 0.0, None, rank, r.get("cpu_wait_s"))
         events += [(r["step"], d.cause.value) for d in gate.observe(stats)

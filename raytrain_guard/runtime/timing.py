@@ -127,6 +127,7 @@ class StepTimer:
         self._record = _StepRecord(self._stamp())
         self._cpu_wait = cpu_wait
         self._cpu_wait_at_start: float | None = None   # read when the current step began
+        self._closed_at: float | None = None   # host clock when the last step closed
 
     @classmethod
     def measuring_cpu_wait(cls, **kwargs: Any) -> StepTimer:
@@ -144,6 +145,13 @@ class StepTimer:
         self._record.step = step
         if self._cpu_wait is not None:
             self._cpu_wait_at_start = self._cpu_wait()
+
+    def idle_s(self) -> float | None:
+        """Host seconds since the previous step closed, while the next one has not begun
+        (None: it has, or no step closed yet): the time the loop spent between steps."""
+        if self._closed_at is None or self.step_begun:
+            return None
+        return self._clock() - self._closed_at
 
     @property
     def step_begun(self) -> bool:
@@ -179,6 +187,7 @@ class StepTimer:
         record.step = step
         record.marks.append((UNTIMED, end))
         self._close_cpu_wait(record)
+        self._closed_at = end if not self._cuda else self._clock()
         self._record = _StepRecord(end, record if self._cuda else None)
         if not self._cuda:
             return self._stats(record, None, memory_frac)
@@ -217,6 +226,7 @@ class StepTimer:
         record.step = step
         record.marks.append((UNTIMED, end))
         self._close_cpu_wait(record)
+        self._closed_at = end
         self._record = _StepRecord(end)
         return record, end - record.marks[0][1]
 
