@@ -48,7 +48,8 @@ def replay(rows: list[dict], rank: int, config: GuardConfig,
         if checkpoint_every and r["step"] and r["step"] % checkpoint_every == 0:
             gate.note_pause(r["step"])       # trace steps count from 0: K steps done before it
         stats = StepStats(r["step"], r["total_s"], r["data_wait_s"], r["compute_s"], 0.0,
-                          r["comm_wait_s"], 0.0, None, rank, r.get("cpu_wait_s"))
+                          r["comm_wait_s"], 0.0, None, rank, r.get("cpu_wait_s"),
+                          r.get("peer_cpu_wait_s"))
         events += [(r["step"], d.cause.value) for d in gate.observe(stats)
                    if d.action.value == "slow_step"]
     return events

@@ -13,6 +13,7 @@ import pytest
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action
 from raytrain_guard.runtime.cpu_wait import ThreadCpuWait
+from raytrain_guard.runtime.node_cpu_waits import NodeCpuWaits
 from raytrain_guard.runtime.step_guard import StepGuard
 from raytrain_guard.runtime.timing import StepTimer
 
@@ -130,3 +131,69 @@ def test_a_busy_neighbour_is_not_named_a_slow_rank_and_a_slow_device_still_is():
     assert starved >= 3
     named = [d for d in events if d.action is Action.SLOW_STEP]
     assert len(named) == 1 and named[0].cause.value == "compute", [d.reason for d in named]
+
+
+# -- the other ranks of the node -----------------------------------------------------------------
+
+def test_the_board_gives_the_most_another_local_rank_waited_since_the_last_exchange(tmp_path):
+    path = str(tmp_path / "board")
+    ranks = [NodeCpuWaits(path, r, 3) for r in range(3)]
+    assert [b.exchange(0.0) for b in ranks] == [None, None, None]     # first: no interval
+    ranks[1].exchange(0.25)
+    ranks[2].exchange(0.5)
+    assert ranks[0].exchange(1.0) == 0.5      # rank 0's own 1.0 s is not another's
+    ranks[2].exchange(0.1)                    # a restarted rank counts from 0 again
+    assert ranks[0].exchange(2.0) == 0.0
+    assert ranks[1].exchange(0.3) == 2.0      # rank 0 went 0.0 -> 2.0 since rank 1 last read
+    ranks[0].close()
+    assert not os.path.exists(path)           # local rank 0 removes the board
+    assert ranks[1].exchange(0.4) is not None  # the others still hold it open
+
+
+def test_no_board_for_a_rank_alone_on_its_node_or_without_a_group():
+    group = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert NodeCpuWaits.for_group(0, 1, group) is None
+    assert NodeCpuWaits.for_group(0, 2, {}) is None
+    board = NodeCpuWaits.for_group(0, 2, group)
+    try:
+        assert "10.0.0.1-29500" in board.path
+    finally:
+        board.close()
+
+
+def _starved_rank(path: str, cpu: int, ready, go, done) -> None:
+    """A rank pinned to ``cpu`` that publishes its CPU wait while it computes."""
+    os.sched_setaffinity(0, {cpu})
+    board, own = NodeCpuWaits(path, 1, 2), ThreadCpuWait()
+    board.exchange(own.read())
+    ready.set()
+    go.wait(10)
+    _spin(0.4)
+    board.exchange(own.read())
+    done.set()
+    time.sleep(5)                             # keep the board open until the parent read it
+
+
+@needs_schedstat
+def test_another_rank_starved_of_cpu_shows_on_the_board(tmp_path):
+    # Local rank 1 computes for 0.4 s on a core it shares with a spinning process: about half
+    # of that it waits for the CPU, and local rank 0 (this test) reads it from the board.
+    path = str(tmp_path / "board")
+    board = NodeCpuWaits(path, 0, 2)
+    ctx = multiprocessing.get_context("fork")
+    ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
+    cpu = min(os.sched_getaffinity(0))
+    rank = ctx.Process(target=_starved_rank, args=(path, cpu, ready, go, done), daemon=True)
+    rank.start()
+    try:
+        assert ready.wait(10)
+        board.exchange(0.0)
+        with _contender(cpu):
+            go.set()
+            assert done.wait(10)
+        waited = board.exchange(0.0)
+    finally:
+        rank.kill()
+        rank.join(10)
+        board.close()
+    assert waited > 0.1

@@ -166,10 +166,13 @@ def test_the_steps_after_a_checkpoint_settle_before_they_are_judged():
 # A step slowed by host contention: its compute grew 0.100 s and its thread waited for a CPU
 # 0.100 s over the usual 0.001 (the other process had the core). "starved_half": it waited
 # 0.051 s, just over slow_step_host_wait_frac (0.5) x 0.100 s of excess.
-WAITING = {"n": dict(NORMAL, cpu_wait_s=0.001), "compute": dict(SLOW["compute"], cpu_wait_s=0.001),
+WAITING = {"n": dict(NORMAL, cpu_wait_s=0.001, peer_cpu_wait_s=0.001), "compute": dict(SLOW["compute"], cpu_wait_s=0.001),
            "starved": dict(SLOW["compute"], cpu_wait_s=0.101),
            "starved_half": dict(SLOW["compute"], cpu_wait_s=0.052),
-           "under_half": dict(SLOW["compute"], cpu_wait_s=0.050)}
+           "under_half": dict(SLOW["compute"], cpu_wait_s=0.050),
+           "peer_starved_comm": dict(SLOW["comm"], cpu_wait_s=0.001, peer_cpu_wait_s=0.101),
+           "peer_starved_compute": dict(SLOW["compute"], cpu_wait_s=0.001,
+                                        peer_cpu_wait_s=0.101)}
 
 
 def feed_waiting(gate: StepGate, kinds) -> list[int]:
@@ -188,6 +191,10 @@ HOST_WAIT_CASES = [
     ("a starved step inside a run", {}, WARM + ["compute", "starved", "compute", "compute"],
      [11], 1),
     ("0 turns the rule off", {"slow_step_host_wait_frac": 0.0}, WARM + ["starved"] * 3, [10], 0),
+    # another rank of the node starved: this rank waited for it in the collective
+    ("a wait for a starved peer is the host's", {}, WARM + ["peer_starved_comm"] * 3, [], 3),
+    ("a starved peer does not excuse this rank's compute", {},
+     WARM + ["peer_starved_compute"] * 3, [10], 0),
 ]
 
 

@@ -120,16 +120,17 @@ class StepGate:
             # the whole step hides a straggler's slowdown behind the wait it no longer has
             cause, slow = self._component_slow(stats, median_s)
             by_part = slow
-        if slow and self._host_starved(stats):
-            # the thread waited for a CPU about as long as the step grew: the host's contention
-            # (another process, too many loader workers), not this rank's slowdown. The step
-            # neither counts toward a run of slow steps nor ends one
+        if slow and cause is None:
+            cause = self._most_grown(stats)[0]  # the part that grew most (UNKNOWN: untimed)
+        if slow and self._host_starved(stats, cause):
+            # this thread (or, for a wait in the collective, another rank of the node) waited
+            # for a CPU about as long as the step grew: the host's contention (another process,
+            # too many loader workers), not this rank's slowdown. The step neither counts
+            # toward a run of slow steps nor ends one
             self.num_host_starved += 1
         elif slow:
             # persistence in one cause: a step slow in another component than the run's starts
             # a new run (random outliers land in random phases; a real slowdown stays put)
-            if cause is None:       # the component that grew most (UNKNOWN: the untimed rest)
-                cause = self._most_grown(stats)[0]
             if self._run and cause is not self._run_cause:
                 self._run.clear()
                 self._run_parts = 0
@@ -373,19 +374,29 @@ class StepGate:
         return min(MAX_PERSISTENCE_FACTOR * cfg.num_slow_steps,
                    max(cfg.num_slow_steps, longest + 1))
 
-    def _host_starved(self, stats: StepStats) -> bool:
+    def _host_starved(self, stats: StepStats, cause: Cause) -> bool:
         """Whether the training thread waited for a CPU (``cpu_wait_s``, over its median in the
         window) at least ``slow_step_host_wait_frac`` of the step's excess over the window's
-        median step (the floor at least: a step slow by its parts may have grown less)."""
+        median step (the floor at least: a step slow by its parts may have grown less); for a
+        step slow in communication, also whether another rank of this node did
+        (``peer_cpu_wait_s``): this rank then waited for it in the collective."""
         frac = self.config.slow_step_host_wait_frac
-        wait_s = stats.cpu_wait_s
         totals = self._sorted_totals
-        if frac <= 0 or wait_s is None or not totals:
+        if frac <= 0 or not totals:
             return False
-        usual_s = statistics.median([s.cpu_wait_s for s in self._window
-                                     if s.cpu_wait_s is not None] or [0.0])
-        excess_s = max(stats.total_s - statistics.median(totals), self.config.slow_step_floor_s)
-        return wait_s - usual_s >= frac * excess_s
+        line_s = frac * max(stats.total_s - statistics.median(totals),
+                            self.config.slow_step_floor_s)
+        fields = ("cpu_wait_s", "peer_cpu_wait_s") if cause is Cause.COMMUNICATION \
+            else ("cpu_wait_s",)
+        for name in fields:
+            wait_s = getattr(stats, name)
+            if wait_s is None:
+                continue
+            usual_s = statistics.median([w for s in self._window
+                                         if (w := getattr(s, name)) is not None] or [0.0])
+            if wait_s - usual_s >= line_s:
+                return True
+        return False
 
     def _most_grown(self, stats: StepStats) -> tuple[Cause, float, list[float]]:
         """(cause, growth in seconds, the window's values) of the component that grew most

@@ -16,6 +16,8 @@ class StepStats:
 
     ``cpu_wait_s`` is the time the training thread waited for a CPU during the step (runnable,
     not running: the host's contention, not the rank's slowness); None where not measured.
+    ``peer_cpu_wait_s``: the most another rank of this node waited for a CPU over the same
+    step (its contention makes this rank wait in the collective); None where not measured.
     """
 
     step: int
@@ -28,19 +30,21 @@ class StepStats:
     memory_frac: float | None = None    # device (or CPU budget) memory fraction after the step
     world_rank: int = 0
     cpu_wait_s: float | None = None
+    peer_cpu_wait_s: float | None = None
 
     def __init__(self, step: int, total_s: float, data_wait_s: float = 0.0,
                  forward_s: float = 0.0, backward_s: float = 0.0, comm_wait_s: float = 0.0,
                  optimizer_s: float = 0.0, memory_frac: float | None = None,
-                 world_rank: int = 0, cpu_wait_s: float | None = None) -> None:
+                 world_rank: int = 0, cpu_wait_s: float | None = None,
+                 peer_cpu_wait_s: float | None = None) -> None:
         # The fields above, in their order, with their defaults (a test holds the two lists
-        # together). One dict update instead of the frozen dataclass's ten object.__setattr__
+        # together). One dict update instead of the frozen dataclass's eleven object.__setattr__
         # calls: one StepStats is built per training step, and this halves its cost.
         self.__dict__.update(step=step, total_s=total_s, data_wait_s=data_wait_s,
                              forward_s=forward_s, backward_s=backward_s,
                              comm_wait_s=comm_wait_s, optimizer_s=optimizer_s,
                              memory_frac=memory_frac, world_rank=world_rank,
-                             cpu_wait_s=cpu_wait_s)
+                             cpu_wait_s=cpu_wait_s, peer_cpu_wait_s=peer_cpu_wait_s)
 
     @property
     def compute_s(self) -> float:

@@ -34,7 +34,7 @@ class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
     __slots__ = ("collectives", "cpu_wait", "done", "last_ready", "lender", "lends_end",
-                 "marks", "released", "step")
+                 "marks", "peer_cpu_wait", "released", "step")
 
     def __init__(self, start: Any, lender: _StepRecord | None = None) -> None:
         self.step: int | None = None     # None: nobody began it (it opened where the last ended)
@@ -44,6 +44,7 @@ class _StepRecord:
         # host clock only: (start, end) of collectives the training thread blocked in (FSDP2)
         self.collectives: list[tuple[float, float]] = []
         self.cpu_wait: float | None = None   # the training thread's run-queue wait, seconds
+        self.peer_cpu_wait: float | None = None  # the most another rank of the node waited
         # CUDA event pooling: a step that starts where the previous one ended shares that
         # record's end event; the later step gives it back, never the lender
         self.lender = lender
@@ -111,12 +112,16 @@ class StepTimer:
     ``max_pending`` bounds the CUDA steps waiting for their events. ``cpu_wait``: the training
     thread's cumulative run-queue wait in seconds (a
     :class:`~raytrain_guard.runtime.cpu_wait.ThreadCpuWait`'s ``read``; None: not measured),
-    read when a step begins and closes, for ``StepStats.cpu_wait_s``.
+    read when a step begins and closes, for ``StepStats.cpu_wait_s``. ``peer_waits``: called
+    with that reading when a step closes, returns the most another rank of this node waited
+    for a CPU since the previous close (a :class:`~raytrain_guard.runtime.node_cpu_waits.
+    NodeCpuWaits`'s ``exchange``), for ``StepStats.peer_cpu_wait_s``.
     """
 
     def __init__(self, *, device: Any = None, clock: Callable[[], float] = time.perf_counter,
                  world_rank: int = 0, max_pending: int = 4,
-                 cpu_wait: Callable[[], float | None] | None = None) -> None:
+                 cpu_wait: Callable[[], float | None] | None = None,
+                 peer_waits: Callable[[float | None], float | None] | None = None) -> None:
         self.world_rank = world_rank
         self._clock = clock
         self._cuda = str(device).startswith("cuda") if device is not None else False
@@ -126,16 +131,19 @@ class StepTimer:
         self._events = _EventPool() if self._cuda else None
         self._record = _StepRecord(self._stamp())
         self._cpu_wait = cpu_wait
+        self._peer_waits = peer_waits
         self._cpu_wait_at_start: float | None = None   # read when the current step began
         self._closed_at: float | None = None   # host clock when the last step closed
 
     @classmethod
-    def measuring_cpu_wait(cls, **kwargs: Any) -> StepTimer:
+    def measuring_cpu_wait(cls, *, node_waits: Any = None, **kwargs: Any) -> StepTimer:
         """A timer that also measures the training thread's wait for a CPU (the train loop's
-        and the workers' timers)."""
+        and the workers' timers), and with ``node_waits`` (a
+        :class:`~raytrain_guard.runtime.node_cpu_waits.NodeCpuWaits`) the other local ranks'."""
         from raytrain_guard.runtime.cpu_wait import ThreadCpuWait
 
-        return cls(cpu_wait=ThreadCpuWait().read, **kwargs)
+        return cls(cpu_wait=ThreadCpuWait().read,
+                   peer_waits=node_waits.exchange if node_waits is not None else None, **kwargs)
 
     def begin_step(self, step: int) -> None:
         """Start timing ``step`` now (optional: a step otherwise starts where the last ended)."""
@@ -263,6 +271,8 @@ class StepTimer:
         if now is not None and start is not None:
             record.cpu_wait = now - start
         self._cpu_wait_at_start = now
+        if self._peer_waits is not None:
+            record.peer_cpu_wait = self._peer_waits(now)
 
     def _stamp(self) -> Any:
         if self._events is None:
@@ -295,7 +305,7 @@ class StepTimer:
                 comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
         return StepStats(record.step, total_s, sums[0], sums[1],      # positional: per step
                          max(0.0, sums[2] - comm_wait_s), comm_wait_s + blocked_s, sums[3],
-                         memory_frac, self.world_rank, record.cpu_wait)
+                         memory_frac, self.world_rank, record.cpu_wait, record.peer_cpu_wait)
 
 
 def _blocked_by_phase(marks: list[tuple[int, Any]], collectives: list[tuple[float, float]],

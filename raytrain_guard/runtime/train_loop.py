@@ -106,6 +106,7 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
         # what prices a micro-batch before its forward: the simulated card, or CUDA's allocator
         self.card: Any = None
         self.watchdog: Any = None
+        self.node_waits: Any = None       # NodeCpuWaits of this node (None: alone on it)
         self._trace: Any = None
         self.attempt = f"{os.getpid()}-{time.time_ns() % 10**12}"
         self._grad_norm: Any = None               # the last step's norm before clipping
@@ -187,6 +188,7 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
 
     def _build_guard(self) -> None:
         from raytrain_guard.runtime.probes import FaultInjector
+        from raytrain_guard.runtime.node_cpu_waits import NodeCpuWaits
         from raytrain_guard.runtime.step_guard import StepGuard
         from raytrain_guard.runtime.timing import (
             StepTimer,
@@ -198,7 +200,9 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
         self.faults = _fault_injector(cfg.faults, self.rank, FaultInjector)
         self.memory_faults = [m for m in cfg.faults.get("memory", ())
                               if int(m.get("rank", 0)) == self.rank]
-        timer = StepTimer.measuring_cpu_wait(device=self.device, world_rank=self.rank)
+        self.node_waits = NodeCpuWaits.for_group(self.ctx.local_rank, self.ctx.local_world_size)
+        timer = StepTimer.measuring_cpu_wait(device=self.device, world_rank=self.rank,
+                                             node_waits=self.node_waits)
         self.guard = StepGuard(cfg.guard, probe=self._probe(), timer=timer,
                                world_rank=self.rank, fault_injector=self.faults, act=cfg.act)
         # the loader opens the steps and times their data phase (see _train); not with faults
@@ -269,6 +273,8 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
                     self.fault_runtime.close()
                 if self._audit is not None:
                     self._audit.close()
+                if self.node_waits is not None:
+                    self.node_waits.close()
                 self.loader.close()
             if self.restart_reason is not None:
                 self._checkpoint({"kind": "restart"})

@@ -69,6 +69,7 @@ class WorkerGuard:
             logger, lambda: f"rank {getattr(self, 'rank', '?')} step {self.step}")
         self._built = False
         self._closed = False
+        self._node_waits: Any = None        # NodeCpuWaits of this node (None: none)
         self.metrics: Any = None
         self.source: Any = None
 
@@ -81,6 +82,7 @@ class WorkerGuard:
             return self
         from raytrain_guard.runtime.context import current_context
         from raytrain_guard.runtime.control_plane import ControlPlane, shared_control_plane
+        from raytrain_guard.runtime.node_cpu_waits import NodeCpuWaits
         from raytrain_guard.runtime.step_guard import StepGuard
         from raytrain_guard.runtime.timing import StepTimer
 
@@ -88,7 +90,10 @@ class WorkerGuard:
         self.ctx = self._context or current_context()
         self.rank, self.world_size = self.ctx.world_rank, self.ctx.world_size
         self.device = worker_device(self.ctx)
-        timer = StepTimer.measuring_cpu_wait(device=self.device, world_rank=self.rank)
+        self._node_waits = NodeCpuWaits.for_group(self.ctx.local_rank,
+                                                  self.ctx.local_world_size)
+        timer = StepTimer.measuring_cpu_wait(device=self.device, world_rank=self.rank,
+                                             node_waits=self._node_waits)
         self.step_guard = StepGuard(self.config, probe=memory_probe(self.device, self.ctx,
                                                                     self.config),
                                     timer=timer, world_rank=self.rank)
@@ -263,6 +268,8 @@ class WorkerGuard:
                 self.settings.run_id, self.settings.namespace, self.rank, self.own_summary()))
         for loader in self.loaders:
             self._safe("close", loader.close)
+        if self._node_waits is not None:
+            self._safe("close", self._node_waits.close)
 
     def _safe(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
         return self._fail_open.call(part, fn, *args)

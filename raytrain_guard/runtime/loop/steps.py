@@ -199,5 +199,10 @@ class StepsMixin:
                               data_wait_s=round(s.data_wait_s, 6),
                               compute_s=round(s.compute_s, 6),
                               comm_wait_s=round(s.comm_wait_s, 6), memory_frac=s.memory_frac,
-                              cpu_wait_s=None if s.cpu_wait_s is None else round(s.cpu_wait_s, 6),
+                              cpu_wait_s=_rounded(s.cpu_wait_s),
+                              peer_cpu_wait_s=_rounded(s.peer_cpu_wait_s),
                               micro_batch=self.micro_batch, grad_accum=self.grad_accum)
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 6)
