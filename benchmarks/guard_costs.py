@@ -31,6 +31,7 @@ import logging
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,8 +44,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.runtime.loader import GuardedDataLoader
+from raytrain_guard.runtime.node_cpu_waits import NodeCpuWaits
 from raytrain_guard.runtime.probes import ProcessMemoryProbe
 from raytrain_guard.runtime.step_guard import StepGuard
+from raytrain_guard.runtime.timing import StepTimer
 
 clock = time.perf_counter
 
@@ -62,10 +65,13 @@ class TimedProbe:
         return reading
 
 
-def timed_guard(config: GuardConfig) -> tuple[StepGuard, TimedProbe, list[float]]:
-    """A StepGuard whose probe reads and gate batches are timed."""
+def timed_guard(config: GuardConfig, node_waits: NodeCpuWaits
+                ) -> tuple[StepGuard, TimedProbe, list[float]]:
+    """A StepGuard with the train loop's timer (its own CPU wait and the node's board) whose
+    probe reads and gate batches are timed."""
     probe = TimedProbe(ProcessMemoryProbe(config))
-    guard = StepGuard(config, probe=probe)
+    guard = StepGuard(config, probe=probe,
+                      timer=StepTimer.measuring_cpu_wait(node_waits=node_waits))
     batches: list[float] = []
     flush = guard.feed.flush
 
@@ -96,8 +102,10 @@ def main() -> None:
     def torch_batches():
         return forever(DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0))
 
-    guard, guard_probe, guard_batches = timed_guard(config)
-    attached, attached_probe, attached_batches = timed_guard(config)
+    # the board of a node of 8 ranks, this one local rank 0 (the others' slots stay 0)
+    node_waits = NodeCpuWaits(tempfile.mktemp(prefix="rtg-costs-"), 0, 8)
+    guard, guard_probe, guard_batches = timed_guard(config, node_waits)
+    attached, attached_probe, attached_batches = timed_guard(config, node_waits)
     loader = GuardedDataLoader(dataset, BATCH, config=config, world_rank=0, world_size=1,
                                gpus_per_node=1, num_workers=0)
     assert attached.attach_loader(loader)
@@ -191,6 +199,7 @@ def main() -> None:
               f"({batch_us:.1f} us per step)")
         print(f"  in-loop cost {total:.1f} us per step = {total / plain_step_us:.2%} of plain's "
               f"step: throughput ratio about {1 - total / plain_step_us:.4f}")
+    node_waits.close()
 
 
 if __name__ == "__main__":

@@ -156,12 +156,22 @@ class GuardConfig:
     slow_step_host_wait_frac: float = _doc(
         0.5, "A slow step whose training thread waited for a CPU (runnable, not running: "
         "StepStats.cpu_wait_s, from /proc/thread-self/schedstat) for at least this fraction of "
-        "the step's excess over the recent median is the host's contention (another process, "
-        "too many loader workers), not the rank's slowdown: it neither counts toward a run of "
+        "the step's excess over the recent median (for a step slow in communication: or "
+        "another rank of the node did, StepStats.peer_cpu_wait_s, and this one waited for it) "
+        "is the host's contention (another process, too many loader workers), not the rank's "
+        "slowdown: it neither counts toward a run of "
         "slow steps nor ends one (StepGate.num_host_starved counts it). 0 turns the rule off. "
         "Default 0.5: a step that shares its core with one busy thread runs at half speed and "
         "waits as long as it grew (ratio 1); a slow device, link or data source makes the "
         "thread wait voluntarily (ratio 0).", 0.0)
+    pause_gap_steps: float = _doc(
+        3.0, "Time between two steps (the loop's, after one step closed and before the next "
+        "began) longer than this many median steps is a pause, a checkpoint or an evaluation, "
+        "and the steps after it settle as after the train loop's own checkpoints "
+        "(slow_step_settle_steps), also where the guard does not see the pause (the drop-in "
+        "API and the user's ray.train.report). Default 3: a loop that synchronizes with the "
+        "GPU between steps (loss.item()) waits there about one step at most.", 0.0,
+        lo_open=True)
     straggler_frac: float = _doc(
         0.10, "Across ranks, a rank is a straggler when its compute (or data wait) exceeds the other "
         "ranks' median by more than this fraction of their median step time, and waiting when "

@@ -13,7 +13,7 @@ import pytest
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action
 from raytrain_guard.runtime.cpu_wait import ThreadCpuWait
-from raytrain_guard.runtime.node_cpu_waits import NodeCpuWaits
+from raytrain_guard.runtime.node_cpu_waits import RING_STEPS, NodeCpuWaits
 from raytrain_guard.runtime.step_guard import StepGuard
 from raytrain_guard.runtime.timing import StepTimer
 
@@ -22,16 +22,23 @@ needs_schedstat = pytest.mark.skipif(not HAS_SCHEDSTAT,
                                      reason="needs Linux /proc/thread-self/schedstat")
 
 
-def test_the_timer_gives_each_step_the_wait_between_its_start_and_its_close():
-    readings = iter([1.0, 1.25, 1.5, 3.0, 3.5])   # begin 0, close 0, close 1, begin 2, close 2
+def test_the_timer_gives_a_step_the_wait_since_the_previous_close_when_both_were_read():
+    readings = iter([1.0, 1.25, 1.5, 3.0, 3.5])
     clock = iter(float(i) for i in range(100))
     timer = StepTimer(clock=lambda: next(clock), cpu_wait=lambda: next(readings))
     timer.begin_step(0)
-    first = timer.finish_step(0)
-    second = timer.finish_step(1)             # starts where step 0 closed
-    assert (first.cpu_wait_s, second.cpu_wait_s) == (0.25, 0.25)
-    timer.begin_step(2)                       # begun anew: the time between steps is left out
-    assert timer.finish_step(2).cpu_wait_s == 0.5
+    assert timer.finish_step(0).cpu_wait_s is None      # no close before it
+    assert timer.finish_step(1).cpu_wait_s == 0.25      # finish_step reads every close
+    timer.begin_step(2)
+    assert timer.finish_step(2).cpu_wait_s == 0.25
+    # the fast path reads only the closes it asks for: step 4's previous close was not read
+    record, _ = timer.close_step(3)
+    record, _ = timer.close_step(4)
+    timer.read_cpu_wait(record)                         # 3.0
+    assert timer.stats_of(record, None).cpu_wait_s is None
+    record, _ = timer.close_step(5)
+    timer.read_cpu_wait(record)                         # 3.5
+    assert timer.stats_of(record, None).cpu_wait_s == 0.5
     assert StepTimer(clock=lambda: 0.0).finish_step(0).cpu_wait_s is None
 
 
@@ -135,19 +142,20 @@ def test_a_busy_neighbour_is_not_named_a_slow_rank_and_a_slow_device_still_is():
 
 # -- the other ranks of the node -----------------------------------------------------------------
 
-def test_the_board_gives_the_most_another_local_rank_waited_since_the_last_exchange(tmp_path):
+def test_the_board_gives_the_most_another_local_rank_waited_in_a_step(tmp_path):
     path = str(tmp_path / "board")
     ranks = [NodeCpuWaits(path, r, 3) for r in range(3)]
-    assert [b.exchange(0.0) for b in ranks] == [None, None, None]     # first: no interval
-    ranks[1].exchange(0.25)
-    ranks[2].exchange(0.5)
-    assert ranks[0].exchange(1.0) == 0.5      # rank 0's own 1.0 s is not another's
-    ranks[2].exchange(0.1)                    # a restarted rank counts from 0 again
-    assert ranks[0].exchange(2.0) == 0.0
-    assert ranks[1].exchange(0.3) == 2.0      # rank 0 went 0.0 -> 2.0 since rank 1 last read
+    ranks[1].publish(5, 0.25)
+    ranks[2].publish(5, 0.5)
+    ranks[0].publish(5, 1.0)                  # rank 0's own wait is not another's
+    assert ranks[0].most_at(5) == 0.5
+    assert ranks[1].most_at(5) == 1.0
+    assert ranks[0].most_at(6) is None        # nobody published step 6 yet
+    ranks[1].publish(5 + RING_STEPS, 0.1)     # the ring moved on past step 5 on rank 1
+    assert ranks[2].most_at(5) == 1.0
     ranks[0].close()
     assert not os.path.exists(path)           # local rank 0 removes the board
-    assert ranks[1].exchange(0.4) is not None  # the others still hold it open
+    assert ranks[1].most_at(5) == 1.0         # the others still hold it
 
 
 def test_no_board_for_a_rank_alone_on_its_node_or_without_a_group():
@@ -162,14 +170,14 @@ def test_no_board_for_a_rank_alone_on_its_node_or_without_a_group():
 
 
 def _starved_rank(path: str, cpu: int, ready, go, done) -> None:
-    """A rank pinned to ``cpu`` that publishes its CPU wait while it computes."""
+    """Local rank 1, pinned to ``cpu``: computes step 7 and publishes its CPU wait."""
     os.sched_setaffinity(0, {cpu})
     board, own = NodeCpuWaits(path, 1, 2), ThreadCpuWait()
-    board.exchange(own.read())
+    start = own.read()
     ready.set()
     go.wait(10)
     _spin(0.4)
-    board.exchange(own.read())
+    board.publish(7, own.read() - start)
     done.set()
     time.sleep(5)                             # keep the board open until the parent read it
 
@@ -187,11 +195,10 @@ def test_another_rank_starved_of_cpu_shows_on_the_board(tmp_path):
     rank.start()
     try:
         assert ready.wait(10)
-        board.exchange(0.0)
         with _contender(cpu):
             go.set()
             assert done.wait(10)
-        waited = board.exchange(0.0)
+        waited = board.most_at(7)
     finally:
         rank.kill()
         rank.join(10)

@@ -263,7 +263,7 @@ def test_a_part_that_grows_decides_at_the_same_steps_as_a_gate_fed_every_step(se
 @pytest.mark.parametrize("gap_s,expected", [(0.0, [22]), (0.031, [26]), (0.029, [22])])
 def test_a_pause_between_steps_lets_the_next_steps_settle(gap_s, expected):
     # 10 ms steps; before step 20 the loop spends gap_s between steps (a user's checkpoint,
-    # which the guard does not see). Over 3 x the latest step (30 ms) it is a pause: steps
+    # which the guard does not see). Over 3 median steps (30 ms) it is a pause: steps
     # 20-22, twice as long, settle (slow_step_settle_steps 3) and the event comes from three
     # slow steps 24-26 after them; a shorter gap is no pause and 20-22 make the event at 22.
     clock = HandClock()

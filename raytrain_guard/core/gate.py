@@ -91,9 +91,12 @@ class StepGate:
         # Python call counts
         cfg = self.config
         self._num_seen += 1
+        totals = self._sorted_totals
+        gap_s = stats.idle_before_s
+        if gap_s is not None and totals and gap_s > cfg.pause_gap_steps * totals[len(totals) // 2]:
+            self.note_pause(stats.step)         # the loop paused before this step
         if self._num_seen <= cfg.slow_step_warmup_steps or stats.step < self._settle_until:
             return decisions
-        totals = self._sorted_totals
         n = len(totals)
         threshold_s = cfg.slow_step_abs_s
         median_s = None

@@ -47,8 +47,6 @@ class GateFeed:
         self._quiet_frac = float("-inf")
         self._over = 0                 # buffered steps over the time bound, in a row, at the end
         self._run0 = 0                 # the gate's run of slow steps when the buffer started
-        #: the latest step's total_s (None: none timed yet)
-        self.last_total_s: float | None = None
 
     @property
     def gate(self) -> Any:
@@ -83,8 +81,6 @@ class GateFeed:
             except Exception:  # noqa: BLE001 - the guard fails open
                 self._fail_open.note("timer")
                 stats = None
-            if stats is not None:
-                self.last_total_s = stats.total_s
             return self._apply(self._observe(stats, step, frac, cached))
         try:
             record, total_s = self.timer.close_step(step)
@@ -93,7 +89,11 @@ class GateFeed:
             decisions = self.flush()             # the gate sees the buffered steps first
             return decisions + self._apply(self._observe(None, step, frac, cached))
         self._buffer.append((record, frac, cached))
-        self.last_total_s = total_s
+        if total_s > self._quiet_s:              # a step the gate may judge: its CPU wait
+            try:
+                self.timer.read_cpu_wait(record)
+            except Exception:  # noqa: BLE001
+                self._fail_open.note("timer")
         if total_s <= self._quiet_s:
             self._over = 0                       # a quiet step ends any run of slow ones
             may_wait = True

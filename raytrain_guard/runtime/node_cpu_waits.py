@@ -2,12 +2,13 @@
 
 Under synchronous training a rank that the host starves of CPU (``cpu_wait_s``) makes every
 other rank wait for it in the collective: there the host's contention shows as communication
-wait, which the waiting rank alone cannot tell from a slow link. Each rank writes its
-cumulative run-queue wait into its slot of one file per node and group (8 bytes at each step's
-close) and reads the others' (one ``pread``), so a step slow in communication while another
-rank of this node waited for a CPU is the host's contention too (``StepStats.peer_cpu_wait_s``,
-the step gate's host-wait rule). Ranks on other nodes are not seen: their contention still
-shows here as communication wait.
+wait, which the waiting rank alone cannot tell from a slow link. Each rank writes each step's
+wait into its ring of recent steps in one file per node and group, mapped into memory (16 bytes
+at the step's close, no system call), and reads the others' entries for a step when it builds
+that step's figures (with the gate's batch, off the per-step path): a step slow in
+communication while another rank of this node waited for a CPU is the host's contention too
+(``StepStats.peer_cpu_wait_s``, the step gate's host-wait rule). Ranks on other nodes are not
+seen: their contention still shows here as communication wait.
 
 The file lives in ``/dev/shm`` (memory; the temp folder where there is none), named after the
 group's rendezvous address (``MASTER_ADDR``/``MASTER_PORT``, the same on every rank of a group,
@@ -17,6 +18,7 @@ different for groups alive at the same time) and removed by local rank 0 at :met
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import re
 import struct
@@ -27,11 +29,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["NodeCpuWaits"]
 
-_SLOT = struct.Struct("<d")
+_ENTRY = struct.Struct("<dd")     # (step, seconds waited for a CPU in it)
+RING_STEPS = 64
+"""Steps each rank keeps on the board: more than a gate batch (``gate_batch_steps``), so the
+entries of the steps a batch judges are still there."""
 
 
 class NodeCpuWaits:
-    """One rank's end of the node's board of cumulative CPU waits (seconds).
+    """One rank's end of the node's board of per-step CPU waits (seconds).
 
     ``path``: the board file (see :meth:`for_group`); ``local_rank`` of ``local_world_size``
     ranks on this node.
@@ -41,11 +46,15 @@ class NodeCpuWaits:
         self.path = path
         self.local_rank = local_rank
         self.local_world_size = local_world_size
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        size = _SLOT.size * local_world_size
-        if os.fstat(self._fd).st_size < size:
-            os.ftruncate(self._fd, size)
-        self._last: list[float] | None = None     # the others' waits at the previous exchange
+        self._others = [r for r in range(local_world_size) if r != local_rank]
+        size = _ENTRY.size * RING_STEPS * local_world_size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._map: mmap.mmap | None = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)                          # the mapping keeps the file
 
     @classmethod
     def for_group(cls, local_rank: int, local_world_size: int,
@@ -64,31 +73,34 @@ class NodeCpuWaits:
                         folder, exc_info=True)
             return None
 
-    def exchange(self, own_s: float | None) -> float | None:
-        """Write this rank's cumulative wait ``own_s``; return the most any other rank of the
-        node waited since the previous exchange (None: the first exchange, or a failed one)."""
-        fd = self._fd
-        if fd is None:
+    def publish(self, step: int, wait_s: float) -> None:
+        """This rank waited ``wait_s`` for a CPU in ``step`` (at the step's close)."""
+        board = self._map
+        if board is not None:
+            _ENTRY.pack_into(board, self._offset(self.local_rank, step), step, wait_s)
+
+    def most_at(self, step: int) -> float | None:
+        """The most any other rank of the node waited for a CPU in ``step`` (None: none of
+        them has published it yet, or no longer keeps it)."""
+        board = self._map
+        if board is None:
             return None
-        try:
-            if own_s is not None:
-                os.pwrite(fd, _SLOT.pack(own_s), _SLOT.size * self.local_rank)
-            data = os.pread(fd, _SLOT.size * self.local_world_size, 0)
-        except OSError:
-            self.close()           # fail open: the waits of the others are no longer read
-            return None
-        waits = [w for i, (w,) in enumerate(_SLOT.iter_unpack(data)) if i != self.local_rank]
-        last, self._last = self._last, waits
-        if last is None or len(last) != len(waits):
-            return None
-        # a restarted rank starts from 0 again: its first interval counts as no wait
-        return max((max(0.0, now - before) for now, before in zip(waits, last)), default=None)
+        most = None
+        for rank in self._others:
+            at, wait_s = _ENTRY.unpack_from(board, self._offset(rank, step))
+            if at == step and (most is None or wait_s > most):
+                most = wait_s
+        return most
+
+    @staticmethod
+    def _offset(rank: int, step: int) -> int:
+        return _ENTRY.size * (rank * RING_STEPS + step % RING_STEPS)
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is None:
+        board, self._map = self._map, None
+        if board is None:
             return
-        os.close(fd)
+        board.close()
         if self.local_rank == 0:
             try:
                 os.unlink(self.path)

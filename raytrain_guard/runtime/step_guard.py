@@ -25,14 +25,7 @@ from raytrain_guard.runtime.timing import StepTimer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PAUSE_GAP_STEPS", "StepGuard"]
-
-#: Time between two steps longer than this many of the latest step is a pause (a checkpoint,
-#: an evaluation): the steps after it settle (:meth:`StepGuard.note_pause`), also where the
-#: guard does not see the pause itself (the drop-in API and the user's ``ray.train.report``).
-#: A loop that synchronizes with the GPU between steps (``loss.item()``) waits there about one
-#: step at most.
-PAUSE_GAP_STEPS = 3.0
+__all__ = ["StepGuard"]
 
 
 class StepGuard:
@@ -79,11 +72,8 @@ class StepGuard:
 
     # -- the step ----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        """Start ``step``: pace first when pacing is on, then start the timer. A step that
-        begins after a pause (more than ``PAUSE_GAP_STEPS`` of the latest step since it closed)
-        settles, with the steps after it."""
+        """Start ``step``: pace first when pacing is on, then start the timer."""
         self._step = step
-        self._note_gap(step)
         if self._pace_delay_s > 0:
             self._sleep(self._pace_delay_s)
         self.timer.begin_step(step)
@@ -125,19 +115,6 @@ class StepGuard:
         (:meth:`StepGate.note_pause`)."""
         step = self._step if next_step is None else next_step
         self._fail_open.call("note_pause", lambda: self.feed.gate.note_pause(step))
-
-    def _note_gap(self, step: int) -> None:
-        last_s = self.feed.last_total_s
-        idle = getattr(self.timer, "idle_s", None)
-        if last_s is None or idle is None:
-            return
-        try:
-            idle_s = idle()
-        except Exception:  # noqa: BLE001 - the guard fails open
-            self._fail_open.note("timer")
-            return
-        if idle_s is not None and idle_s > PAUSE_GAP_STEPS * last_s:
-            self.note_pause(step)
 
     @property
     def gate(self) -> Any:

@@ -33,8 +33,8 @@ UNTIMED = -1
 class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
-    __slots__ = ("collectives", "cpu_wait", "done", "last_ready", "lender", "lends_end",
-                 "marks", "peer_cpu_wait", "released", "step")
+    __slots__ = ("collectives", "cpu_wait", "done", "idle_before", "last_ready", "lender",
+                 "lends_end", "marks", "released", "step")
 
     def __init__(self, start: Any, lender: _StepRecord | None = None) -> None:
         self.step: int | None = None     # None: nobody began it (it opened where the last ended)
@@ -44,7 +44,7 @@ class _StepRecord:
         # host clock only: (start, end) of collectives the training thread blocked in (FSDP2)
         self.collectives: list[tuple[float, float]] = []
         self.cpu_wait: float | None = None   # the training thread's run-queue wait, seconds
-        self.peer_cpu_wait: float | None = None  # the most another rank of the node waited
+        self.idle_before: float | None = None    # host seconds since the previous step closed
         # CUDA event pooling: a step that starts where the previous one ended shares that
         # record's end event; the later step gives it back, never the lender
         self.lender = lender
@@ -112,16 +112,18 @@ class StepTimer:
     ``max_pending`` bounds the CUDA steps waiting for their events. ``cpu_wait``: the training
     thread's cumulative run-queue wait in seconds (a
     :class:`~raytrain_guard.runtime.cpu_wait.ThreadCpuWait`'s ``read``; None: not measured),
-    read when a step begins and closes, for ``StepStats.cpu_wait_s``. ``peer_waits``: called
-    with that reading when a step closes, returns the most another rank of this node waited
-    for a CPU since the previous close (a :class:`~raytrain_guard.runtime.node_cpu_waits.
-    NodeCpuWaits`'s ``exchange``), for ``StepStats.peer_cpu_wait_s``.
+    read when a step closes (:meth:`finish_step` every step, :meth:`read_cpu_wait` after
+    :meth:`close_step`), for ``StepStats.cpu_wait_s``: the wait since the previous close, when
+    that one was read too. ``node_waits``: a
+    :class:`~raytrain_guard.runtime.node_cpu_waits.NodeCpuWaits` that each step's wait is
+    published to, and the other local ranks' waits in it read from when the step's figures are
+    built, for ``StepStats.peer_cpu_wait_s``.
     """
 
     def __init__(self, *, device: Any = None, clock: Callable[[], float] = time.perf_counter,
                  world_rank: int = 0, max_pending: int = 4,
                  cpu_wait: Callable[[], float | None] | None = None,
-                 peer_waits: Callable[[float | None], float | None] | None = None) -> None:
+                 node_waits: Any = None) -> None:
         self.world_rank = world_rank
         self._clock = clock
         self._cuda = str(device).startswith("cuda") if device is not None else False
@@ -131,8 +133,9 @@ class StepTimer:
         self._events = _EventPool() if self._cuda else None
         self._record = _StepRecord(self._stamp())
         self._cpu_wait = cpu_wait
-        self._peer_waits = peer_waits
-        self._cpu_wait_at_start: float | None = None   # read when the current step began
+        self._node_waits = node_waits
+        self._cpu_wait_read: tuple[int, float] | None = None  # (step, reading) at the last
+                                                              # close read
         self._closed_at: float | None = None   # host clock when the last step closed
 
     @classmethod
@@ -142,24 +145,18 @@ class StepTimer:
         :class:`~raytrain_guard.runtime.node_cpu_waits.NodeCpuWaits`) the other local ranks'."""
         from raytrain_guard.runtime.cpu_wait import ThreadCpuWait
 
-        return cls(cpu_wait=ThreadCpuWait().read,
-                   peer_waits=node_waits.exchange if node_waits is not None else None, **kwargs)
+        return cls(cpu_wait=ThreadCpuWait().read, node_waits=node_waits, **kwargs)
 
     def begin_step(self, step: int) -> None:
         """Start timing ``step`` now (optional: a step otherwise starts where the last ended)."""
         if self._events is not None:
             self._events.discard(self._record)
-        self._record = _StepRecord(self._stamp())
-        self._record.step = step
-        if self._cpu_wait is not None:
-            self._cpu_wait_at_start = self._cpu_wait()
-
-    def idle_s(self) -> float | None:
-        """Host seconds since the previous step closed, while the next one has not begun
-        (None: it has, or no step closed yet): the time the loop spent between steps."""
-        if self._closed_at is None or self.step_begun:
-            return None
-        return self._clock() - self._closed_at
+        start = self._stamp()
+        record = self._record = _StepRecord(start)
+        record.step = step
+        if self._closed_at is not None:       # the loop's time between the two steps
+            record.idle_before = (start if self._events is None else self._clock()) \
+                - self._closed_at
 
     @property
     def step_begun(self) -> bool:
@@ -233,7 +230,6 @@ class StepTimer:
         record = self._record
         record.step = step
         record.marks.append((UNTIMED, end))
-        self._close_cpu_wait(record)
         self._closed_at = end
         self._record = _StepRecord(end)
         return record, end - record.marks[0][1]
@@ -262,17 +258,27 @@ class StepTimer:
         return self._clock()
 
     # -- internals ---------------------------------------------------------------------------
+    def read_cpu_wait(self, record: _StepRecord) -> None:
+        """Host timers: give the step :meth:`close_step` just closed its CPU wait (known when
+        the previous step's close was read too). StepGuard reads only the steps over the
+        gate's quiet bound: one system call each (10-45 us on a cold cache), none on a quiet
+        step; a slow run's steps after its first are read one after the other."""
+        self._close_cpu_wait(record)
+
     def _close_cpu_wait(self, record: _StepRecord) -> None:
-        """The run-queue wait of the step now closing; the next step starts from here."""
+        """The run-queue wait since the previous close, for ``record`` (closing now), when
+        that close was read (steps count one by one)."""
         if self._cpu_wait is None:
             return
         now = self._cpu_wait()
-        start = self._cpu_wait_at_start
-        if now is not None and start is not None:
-            record.cpu_wait = now - start
-        self._cpu_wait_at_start = now
-        if self._peer_waits is not None:
-            record.peer_cpu_wait = self._peer_waits(now)
+        last = self._cpu_wait_read
+        if now is None:
+            return
+        if last is not None and last[0] == record.step - 1:
+            record.cpu_wait = now - last[1]
+            if self._node_waits is not None:
+                self._node_waits.publish(record.step, record.cpu_wait)
+        self._cpu_wait_read = (record.step, now)
 
     def _stamp(self) -> Any:
         if self._events is None:
@@ -305,7 +311,9 @@ class StepTimer:
                 comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
         return StepStats(record.step, total_s, sums[0], sums[1],      # positional: per step
                          max(0.0, sums[2] - comm_wait_s), comm_wait_s + blocked_s, sums[3],
-                         memory_frac, self.world_rank, record.cpu_wait, record.peer_cpu_wait)
+                         memory_frac, self.world_rank, record.cpu_wait,
+                         None if self._node_waits is None
+                         else self._node_waits.most_at(record.step), record.idle_before)
 
 
 def _blocked_by_phase(marks: list[tuple[int, Any]], collectives: list[tuple[float, float]],
