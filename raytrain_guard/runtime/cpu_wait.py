@@ -14,6 +14,7 @@ file is missing (not Linux) the reader gives None and the gate keeps its timing 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 __all__ = ["ThreadCpuWait"]
@@ -51,7 +52,5 @@ class ThreadCpuWait:
             os.close(fd)
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(OSError):     # at interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
