@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import statistics
 import sys
@@ -103,7 +104,7 @@ def main() -> None:
         return forever(DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0))
 
     # the board of a node of 8 ranks, this one local rank 0 (the others' slots stay 0)
-    node_waits = NodeCpuWaits(tempfile.mktemp(prefix="rtg-costs-"), 0, 8)
+    node_waits = NodeCpuWaits(os.path.join(tempfile.mkdtemp(prefix="rtg-costs-"), "board"), 0, 8)
     guard, guard_probe, guard_batches = timed_guard(config, node_waits)
     attached, attached_probe, attached_batches = timed_guard(config, node_waits)
     loader = GuardedDataLoader(dataset, BATCH, config=config, world_rank=0, world_size=1,
@@ -199,7 +200,8 @@ def main() -> None:
               f"({batch_us:.1f} us per step)")
         print(f"  in-loop cost {total:.1f} us per step = {total / plain_step_us:.2%} of plain's "
               f"step: throughput ratio about {1 - total / plain_step_us:.4f}")
-    node_waits.close()
+    node_waits.close()                     # local rank 0: removes the board
+    os.rmdir(os.path.dirname(node_waits.path))
 
 
 if __name__ == "__main__":

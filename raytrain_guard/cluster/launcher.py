@@ -365,7 +365,7 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
             watcher.stop()
         try:
             stop_all(namespace, run_id)
-        except Exception:  # noqa: BLE001 - teardown must not hide the run's own error
+        except Exception:  # teardown must not hide the run's own error (logged)
             logger.warning("stopping the guard's actors failed", exc_info=True)
     global_batch = loop_config.get("global_batch") or (
         int(loop_config.get("micro_batch", 32)) * int(loop_config.get("grad_accum", 1)) * most)
@@ -580,7 +580,7 @@ class _ProgressWatcher:
             if status is not None and self.progress is not None:
                 try:
                     self.progress(status)
-                except Exception:  # noqa: BLE001
+                except Exception:  # a progress callback must not stop the run (logged)
                     logger.debug("progress callback failed", exc_info=True)
 
 

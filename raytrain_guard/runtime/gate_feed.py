@@ -89,15 +89,14 @@ class GateFeed:
             decisions = self.flush()             # the gate sees the buffered steps first
             return decisions + self._apply(self._observe(None, step, frac, cached))
         self._buffer.append((record, frac, cached))
-        if total_s > self._quiet_s:              # a step the gate may judge: its CPU wait
-            try:
-                self.timer.read_cpu_wait(record)
-            except Exception:  # noqa: BLE001
-                self._fail_open.note("timer")
         if total_s <= self._quiet_s:
             self._over = 0                       # a quiet step ends any run of slow ones
             may_wait = True
         else:
+            try:                                 # a step the gate may judge: its CPU wait
+                self.timer.read_cpu_wait(record)
+            except Exception:  # noqa: BLE001
+                self._fail_open.note("timer")
             # over the bound: it waits unless it could complete a run of slow steps
             self._over += 1
             run = self._over + (self._run0 if self._over == len(self._buffer) else 0)

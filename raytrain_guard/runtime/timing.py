@@ -191,7 +191,7 @@ class StepTimer:
         record = self._record
         record.step = step
         record.marks.append((UNTIMED, end))
-        self._close_cpu_wait(record)
+        self.read_cpu_wait(record)
         self._closed_at = end if not self._cuda else self._clock()
         self._record = _StepRecord(end, record if self._cuda else None)
         if not self._cuda:
@@ -238,6 +238,22 @@ class StepTimer:
         """The StepStats of a record that :meth:`close_step` returned."""
         return self._stats(record, None, memory_frac)
 
+    def read_cpu_wait(self, record: _StepRecord) -> None:
+        """Give the step that just closed (``record``) its CPU wait: the run-queue wait since
+        the previous close, known when that close was read too (steps count one by one).
+        :meth:`finish_step` reads every step; after :meth:`close_step` StepGuard reads only
+        the steps over the gate's quiet bound: one system call each (10-45 us on a cold
+        cache), none on a quiet step, and a slow run's steps after its first one by one."""
+        now = self._cpu_wait() if self._cpu_wait is not None else None
+        if now is None:
+            return
+        last = self._cpu_wait_read
+        if last is not None and last[0] == record.step - 1:
+            record.cpu_wait = now - last[1]
+            if self._node_waits is not None:
+                self._node_waits.publish(record.step, record.cpu_wait)
+        self._cpu_wait_read = (record.step, now)
+
     # -- called by the communication hook (autograd and communication threads) ---------------
     def record_bucket_ready(self, is_last: bool) -> None:
         """A DDP bucket's gradients are computed; ``is_last``: the backward compute is over."""
@@ -258,28 +274,6 @@ class StepTimer:
         return self._clock()
 
     # -- internals ---------------------------------------------------------------------------
-    def read_cpu_wait(self, record: _StepRecord) -> None:
-        """Host timers: give the step :meth:`close_step` just closed its CPU wait (known when
-        the previous step's close was read too). StepGuard reads only the steps over the
-        gate's quiet bound: one system call each (10-45 us on a cold cache), none on a quiet
-        step; a slow run's steps after its first are read one after the other."""
-        self._close_cpu_wait(record)
-
-    def _close_cpu_wait(self, record: _StepRecord) -> None:
-        """The run-queue wait since the previous close, for ``record`` (closing now), when
-        that close was read (steps count one by one)."""
-        if self._cpu_wait is None:
-            return
-        now = self._cpu_wait()
-        last = self._cpu_wait_read
-        if now is None:
-            return
-        if last is not None and last[0] == record.step - 1:
-            record.cpu_wait = now - last[1]
-            if self._node_waits is not None:
-                self._node_waits.publish(record.step, record.cpu_wait)
-        self._cpu_wait_read = (record.step, now)
-
     def _stamp(self) -> Any:
         if self._events is None:
             return self._clock()
