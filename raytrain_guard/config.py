@@ -157,13 +157,24 @@ class GuardConfig:
         0.5, "A slow step whose training thread waited for a CPU (runnable, not running: "
         "StepStats.cpu_wait_s, from /proc/thread-self/schedstat) for at least this fraction of "
         "the step's excess over the recent median (for a step slow in communication: or "
-        "another rank of the node did, StepStats.peer_cpu_wait_s, and this one waited for it) "
-        "is the host's contention (another process, too many loader workers), not the rank's "
-        "slowdown: it neither counts toward a run of "
-        "slow steps nor ends one (StepGate.num_host_starved counts it). 0 turns the rule off. "
+        "with the wait of the rank of the node that waited most, StepStats.peer_cpu_wait_s: "
+        "this one waited for it) is the host's contention (another process, too many loader "
+        "workers), not the rank's slowdown: it does not count toward a run of slow steps and "
+        "ends the one it fell in (StepGate.num_host_starved counts it). 0 turns the rule off. "
         "Default 0.5: a step that shares its core with one busy thread runs at half speed and "
         "waits as long as it grew (ratio 1); a slow device, link or data source makes the "
         "thread wait voluntarily (ratio 0).", 0.0)
+    slow_step_host_settle_steps: int = _doc(
+        3, "Steps after a host-starved step (slow_step_host_wait_frac) that the slow-step "
+        "rules ignore, as after a checkpoint; the starved step also ends the run of slow steps "
+        "it fell in (the run's first step is not read for a CPU wait: it was the contention's "
+        "start). A burst of contention has an aftermath: the starved rank's cold caches and "
+        "its catch-up show as compute on it and as communication wait on the others, with "
+        "neither thread waiting for a CPU. A step slow against the starved one itself "
+        "(slow_step_factor x its time) is judged as usual. Default 3 (as "
+        "slow_step_settle_steps): replayed over 30 clean 600-step arms of the 2-core CI box "
+        "(benchmarks/gate_replay.py), 3 slow-step events with 0, 1 with 3; over 140 arms with "
+        "an injected fault, 2 named one step later, none missed. 0: no settling.", 0)
     pause_gap_steps: float = _doc(
         3.0, "Time between two steps (the loop's, after one step closed and before the next "
         "began) longer than this many median steps is a pause, a checkpoint or an evaluation, "

@@ -172,7 +172,14 @@ WAITING = {"n": dict(NORMAL, cpu_wait_s=0.001, peer_cpu_wait_s=0.001), "compute"
            "under_half": dict(SLOW["compute"], cpu_wait_s=0.050),
            "peer_starved_comm": dict(SLOW["comm"], cpu_wait_s=0.001, peer_cpu_wait_s=0.101),
            "peer_starved_compute": dict(SLOW["compute"], cpu_wait_s=0.001,
-                                        peer_cpu_wait_s=0.101)}
+                                        peer_cpu_wait_s=0.101),
+           # slow in communication: this thread and the peer it waited for each waited
+           # 0.030 s over the usual, together over half the 0.100 s of excess
+           "both_waited_comm": dict(SLOW["comm"], cpu_wait_s=0.031, peer_cpu_wait_s=0.031),
+           "self_waited_comm": dict(SLOW["comm"], cpu_wait_s=0.031, peer_cpu_wait_s=0.001),
+           "unread": dict(SLOW["compute"], cpu_wait_s=None),
+           # twice as slow as a starved step (0.300 s of excess), no CPU wait
+           "much_slower": dict(NORMAL, total_s=0.400, forward_s=0.330, cpu_wait_s=0.001)}
 
 
 def feed_waiting(gate: StepGate, kinds) -> list[int]:
@@ -187,9 +194,20 @@ HOST_WAIT_CASES = [
     ("the same steps without the wait are an event", {}, WARM + ["compute"] * 3, [10], 0),
     ("half the excess waited is the host's", {}, WARM + ["starved_half"] * 3, [], 3),
     ("under half is the rank's", {}, WARM + ["under_half"] * 3, [10], 0),
-    # a starved step inside a real slowdown neither counts nor ends the run
-    ("a starved step inside a run", {}, WARM + ["compute", "starved", "compute", "compute"],
-     [11], 1),
+    # a starved step ends the run it fell in, whose first step was not read for a CPU wait
+    # (GateFeed reads it only over the quiet bound): 8 counted, 9 starved, 10-12 settle
+    # (slow_step_host_settle_steps 3, no slower than 1.5 x step 9)
+    ("a starved step ends the run its unread first step began", {},
+     WARM + ["unread", "starved"] + ["compute"] * 3, [], 4),
+    ("without settling, the three steps after it", {"slow_step_host_settle_steps": 0},
+     WARM + ["unread", "starved"] + ["compute"] * 3, [12], 1),
+    # the contention's aftermath excuses no step slow against the starved one itself
+    # (a fault that starts as the contention ends is named as soon)
+    ("a much slower step after a starved one counts", {},
+     WARM + ["starved"] + ["much_slower"] * 3, [11], 1),
+    # a step slow in communication: this rank's wait and the waited-for peer's add up
+    ("a wait for a peer plus this rank's own", {}, WARM + ["both_waited_comm"] * 3, [], 3),
+    ("this rank's own wait alone under half", {}, WARM + ["self_waited_comm"] * 3, [10], 0),
     ("0 turns the rule off", {"slow_step_host_wait_frac": 0.0}, WARM + ["starved"] * 3, [10], 0),
     # another rank of the node starved: this rank waited for it in the collective
     ("a wait for a starved peer is the host's", {}, WARM + ["peer_starved_comm"] * 3, [], 3),

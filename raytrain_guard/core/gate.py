@@ -65,6 +65,8 @@ class StepGate:
         #: slow steps whose excess was the thread's wait for a CPU (not counted as slow)
         self.num_host_starved = 0
         self._settle_until = 0                   # steps before this one follow a checkpoint
+        self._host_until = 0                     # steps before this one follow a starved one
+        self._host_total_s = 0.0                 # the total_s of that starved step
         self._armed = True                       # watermark rule may fire
         self._last_release_s: float | None = None
         self._stopped = False                    # CHECKPOINT_AND_STOP already decided
@@ -128,9 +130,16 @@ class StepGate:
         if slow and self._host_starved(stats, cause):
             # this thread (or, for a wait in the collective, another rank of the node) waited
             # for a CPU about as long as the step grew: the host's contention (another process,
-            # too many loader workers), not this rank's slowdown. The step neither counts
-            # toward a run of slow steps nor ends one
-            self.num_host_starved += 1
+            # too many loader workers), not this rank's slowdown. The steps after it settle
+            # (see below)
+            self._host_until = stats.step + 1 + cfg.slow_step_host_settle_steps
+            self._host_total_s = total_s
+            self._excuse_host(stats)
+        elif (slow and stats.step < self._host_until
+              and total_s <= cfg.slow_step_factor * self._host_total_s):
+            # a few steps after a starved one and not slow against it: the contention's
+            # aftermath (cold caches, the starved rank's catch-up), not this rank's slowdown
+            self._excuse_host(stats)
         elif slow:
             # persistence in one cause: a step slow in another component than the run's starts
             # a new run (random outliers land in random phases; a real slowdown stays put)
@@ -377,12 +386,23 @@ class StepGate:
         return min(MAX_PERSISTENCE_FACTOR * cfg.num_slow_steps,
                    max(cfg.num_slow_steps, longest + 1))
 
+    def _excuse_host(self, stats: StepStats) -> None:
+        """A slow step the host's contention explains: it does not count toward a run of slow
+        steps and ends the one it fell in (whose first step was the contention's start, not
+        read for a CPU wait: GateFeed reads it only for steps over the quiet bound). It stays
+        in the window, whose spread keeps the next noisy steps in line."""
+        self.num_host_starved += 1
+        self._run.clear()
+        self._run_parts = 0
+        self._run_reported = False
+
     def _host_starved(self, stats: StepStats, cause: Cause) -> bool:
         """Whether the training thread waited for a CPU (``cpu_wait_s``, over its median in the
         window) at least ``slow_step_host_wait_frac`` of the step's excess over the window's
-        median step (the floor at least: a step slow by its parts may have grown less); for a
-        step slow in communication, also whether another rank of this node did
-        (``peer_cpu_wait_s``): this rank then waited for it in the collective."""
+        median step (the floor at least: a step slow by its parts may have grown less). For a
+        step slow in communication, the wait of the other rank of this node that waited most
+        (``peer_cpu_wait_s``, over its median) adds to it: this rank waited for that one in the
+        collective, after its own work was late by its own wait."""
         frac = self.config.slow_step_host_wait_frac
         totals = self._sorted_totals
         if frac <= 0 or not totals:
@@ -391,15 +411,14 @@ class StepGate:
                             self.config.slow_step_floor_s)
         fields = ("cpu_wait_s", "peer_cpu_wait_s") if cause is Cause.COMMUNICATION \
             else ("cpu_wait_s",)
+        waited_s = 0.0
         for name in fields:
             wait_s = getattr(stats, name)
-            if wait_s is None:
-                continue
-            usual_s = statistics.median([w for s in self._window
-                                         if (w := getattr(s, name)) is not None] or [0.0])
-            if wait_s - usual_s >= line_s:
-                return True
-        return False
+            if wait_s is not None:
+                usual_s = statistics.median([w for s in self._window
+                                             if (w := getattr(s, name)) is not None] or [0.0])
+                waited_s += max(0.0, wait_s - usual_s)
+        return waited_s >= line_s
 
     def _most_grown(self, stats: StepStats) -> tuple[Cause, float, list[float]]:
         """(cause, growth in seconds, the window's values) of the component that grew most
