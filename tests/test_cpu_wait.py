@@ -159,6 +159,43 @@ def test_the_board_gives_the_most_another_local_rank_waited_in_a_step(tmp_path):
     assert ranks[1].most_at(5) == 1.0         # the others still hold it
 
 
+def test_an_earlier_groups_entry_for_the_same_step_is_not_read(tmp_path):
+    # a crashed attempt (or a finished run) on the same rendezvous port left its file: its
+    # entry for step 5 was written before this group's step 5 began, so it is not this one's
+    now = [100.0]
+    path = str(tmp_path / "board")
+    earlier = NodeCpuWaits(path, 1, 2, clock=lambda: now[0])
+    earlier.publish(5, 0.75)
+    now[0] = 200.0
+    rank0, rank1 = NodeCpuWaits(path, 0, 2, clock=lambda: now[0]), \
+        NodeCpuWaits(path, 1, 2, clock=lambda: now[0])
+    assert rank0.most_at(5, since_s=150.0) is None     # rank 1 has not closed step 5 yet
+    assert rank0.most_at(5) == 0.75                    # (what an unstamped read would take)
+    rank1.publish(5, 0.125)
+    assert rank0.most_at(5, since_s=150.0) == 0.125
+
+
+def test_a_timer_reads_the_peers_entries_written_since_its_step_began(tmp_path):
+    # StepTimer passes the host time its step began: the stale entry above is left out
+    from raytrain_guard.runtime.timing import StepTimer
+
+    now = [10.0]
+    path = str(tmp_path / "board")
+    stale = NodeCpuWaits(path, 1, 2, clock=lambda: now[0])
+    stale.publish(1, 0.5)                              # an earlier group's step 1
+    now[0] = 20.0
+    board = NodeCpuWaits(path, 0, 2, clock=lambda: now[0])
+    timer = StepTimer(clock=lambda: now[0], node_waits=board)
+    timer.begin_step(1)
+    now[0] = 21.0
+    assert timer.finish_step(1).peer_cpu_wait_s is None
+    timer.begin_step(2)
+    now[0] = 22.0
+    NodeCpuWaits(path, 1, 2, clock=lambda: now[0]).publish(2, 0.25)
+    assert timer.finish_step(2).peer_cpu_wait_s == 0.25
+    board.close()
+
+
 def test_no_board_for_a_rank_alone_on_its_node_or_without_a_group():
     group = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
     assert NodeCpuWaits.for_group(0, 1, group) is None

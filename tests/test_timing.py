@@ -302,7 +302,7 @@ def test_event_stamps_give_the_optimizer_the_rest_after_backward_too():
     # backward 60, end 75 -> optimizer 15 ms from the last backward mark to the end
     from raytrain_guard.runtime.timing import UNTIMED, _elapsed_s, _StepRecord
 
-    record = _StepRecord(FakeEvent(0.0))
+    record = _StepRecord(FakeEvent(0.0), 0.0)
     record.marks += [(0, FakeEvent(10.0)), (1, FakeEvent(30.0)), (2, FakeEvent(60.0)),
                      (UNTIMED, FakeEvent(75.0))]
     stats = StepTimer()._stats(record, _elapsed_s, None)

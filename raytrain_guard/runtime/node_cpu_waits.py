@@ -3,7 +3,7 @@
 Under synchronous training a rank that the host starves of CPU (``cpu_wait_s``) makes every
 other rank wait for it in the collective: there the host's contention shows as communication
 wait, which the waiting rank alone cannot tell from a slow link. Each rank writes each step's
-wait into its ring of recent steps in one file per node and group, mapped into memory (16 bytes
+wait into its ring of recent steps in one file per node and group, mapped into memory (24 bytes
 at the step's close, no system call), and reads the others' entries for a step when it builds
 that step's figures (with the gate's batch, off the per-step path): a step slow in
 communication while another rank of this node waited for a CPU is the host's contention too
@@ -23,13 +23,17 @@ import os
 import re
 import struct
 import tempfile
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["NodeCpuWaits"]
 
-_ENTRY = struct.Struct("<dd")     # (step, seconds waited for a CPU in it)
+_ENTRY = struct.Struct("<ddd")    # (step, seconds waited for a CPU in it, when written)
+_NAME = "raytrain_guard-cpuwait-v2"
+"""The board files' name; the version names the entry layout, so a file an earlier layout left
+behind (a rank killed before its close) is never read as this one."""
 RING_STEPS = 64
 """Steps each rank keeps on the board: more than a gate batch (``gate_batch_steps``), so the
 entries of the steps a batch judges are still there."""
@@ -39,11 +43,15 @@ class NodeCpuWaits:
     """One rank's end of the node's board of per-step CPU waits (seconds).
 
     ``path``: the board file (see :meth:`for_group`); ``local_rank`` of ``local_world_size``
-    ranks on this node.
+    ranks on this node. ``clock``: the host clock entries are stamped with, the same in every
+    process of the node (``time.perf_counter``: ``CLOCK_MONOTONIC`` on Linux), so that an
+    entry a group of an earlier run left in a file of the same name is told from this one's.
     """
 
-    def __init__(self, path: str, local_rank: int, local_world_size: int) -> None:
+    def __init__(self, path: str, local_rank: int, local_world_size: int, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.path = path
+        self._clock = clock
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self._others = [r for r in range(local_world_size) if r != local_rank]
@@ -65,7 +73,7 @@ class NodeCpuWaits:
         if local_world_size < 2 or not addr or not port:
             return None
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"raytrain_guard-cpuwait-{addr}-{port}")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{_NAME}-{addr}-{port}")
         try:
             return cls(os.path.join(folder, name), local_rank, local_world_size)
         except OSError:
@@ -77,18 +85,23 @@ class NodeCpuWaits:
         """This rank waited ``wait_s`` for a CPU in ``step`` (at the step's close)."""
         board = self._map
         if board is not None:
-            _ENTRY.pack_into(board, self._offset(self.local_rank, step), step, wait_s)
+            _ENTRY.pack_into(board, self._offset(self.local_rank, step), step, wait_s,
+                             self._clock())
 
-    def most_at(self, step: int) -> float | None:
+    def most_at(self, step: int, since_s: float = float("-inf")) -> float | None:
         """The most any other rank of the node waited for a CPU in ``step`` (None: none of
-        them has published it yet, or no longer keeps it)."""
+        them has published it yet, or no longer keeps it), counting only entries written at
+        ``since_s`` or later (this clock). A step's timer passes the time its own step began:
+        under synchronous training no rank closes a step before every rank began it, so an
+        older entry for the same step number is an earlier group's (a crashed attempt or a
+        finished run that used the same rendezvous port and left its file behind)."""
         board = self._map
         if board is None:
             return None
         most = None
         for rank in self._others:
-            at, wait_s = _ENTRY.unpack_from(board, self._offset(rank, step))
-            if at == step and (most is None or wait_s > most):
+            at, wait_s, written_s = _ENTRY.unpack_from(board, self._offset(rank, step))
+            if at == step and written_s >= since_s and (most is None or wait_s > most):
                 most = wait_s
         return most
 

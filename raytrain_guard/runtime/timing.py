@@ -34,10 +34,11 @@ class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
     __slots__ = ("collectives", "cpu_wait", "done", "idle_before", "last_ready", "lender",
-                 "lends_end", "marks", "released", "step")
+                 "lends_end", "marks", "opened", "released", "step")
 
-    def __init__(self, start: Any, lender: _StepRecord | None = None) -> None:
+    def __init__(self, start: Any, opened: float, lender: _StepRecord | None = None) -> None:
         self.step: int | None = None     # None: nobody began it (it opened where the last ended)
+        self.opened = opened             # host clock at ``start``
         self.marks: list[tuple[int, Any]] = [(UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
@@ -131,7 +132,8 @@ class StepTimer:
         self._pending: deque[_StepRecord] = deque()
         self._dropped = 0
         self._events = _EventPool() if self._cuda else None
-        self._record = _StepRecord(self._stamp())
+        start = self._stamp()
+        self._record = _StepRecord(start, start if self._events is None else self._clock())
         self._cpu_wait = cpu_wait
         self._node_waits = node_waits
         self._cpu_wait_read: tuple[int, float] | None = None  # (step, reading) at the last
@@ -152,11 +154,11 @@ class StepTimer:
         if self._events is not None:
             self._events.discard(self._record)
         start = self._stamp()
-        record = self._record = _StepRecord(start)
+        opened = start if self._events is None else self._clock()
+        record = self._record = _StepRecord(start, opened)
         record.step = step
         if self._closed_at is not None:       # the loop's time between the two steps
-            record.idle_before = (start if self._events is None else self._clock()) \
-                - self._closed_at
+            record.idle_before = opened - self._closed_at
 
     @property
     def step_begun(self) -> bool:
@@ -193,7 +195,7 @@ class StepTimer:
         record.marks.append((UNTIMED, end))
         self.read_cpu_wait(record)
         self._closed_at = end if not self._cuda else self._clock()
-        self._record = _StepRecord(end, record if self._cuda else None)
+        self._record = _StepRecord(end, self._closed_at, record if self._cuda else None)
         if not self._cuda:
             return self._stats(record, None, memory_frac)
         self._pending.append(record)
@@ -231,7 +233,7 @@ class StepTimer:
         record.step = step
         record.marks.append((UNTIMED, end))
         self._closed_at = end
-        self._record = _StepRecord(end)
+        self._record = _StepRecord(end, end)
         return record, end - record.marks[0][1]
 
     def stats_of(self, record: _StepRecord, memory_frac: float | None) -> StepStats:
@@ -307,7 +309,8 @@ class StepTimer:
                          max(0.0, sums[2] - comm_wait_s), comm_wait_s + blocked_s, sums[3],
                          memory_frac, self.world_rank, record.cpu_wait,
                          None if self._node_waits is None
-                         else self._node_waits.most_at(record.step), record.idle_before)
+                         else self._node_waits.most_at(record.step, record.opened),
+                         record.idle_before)
 
 
 def _blocked_by_phase(marks: list[tuple[int, Any]], collectives: list[tuple[float, float]],
