@@ -160,7 +160,8 @@ class GuardConfig:
         "with the wait of the rank of the node that waited most, StepStats.peer_cpu_wait_s: "
         "this one waited for it) is the host's contention (another process, too many loader "
         "workers), not the rank's slowdown: it does not count toward a run of slow steps and "
-        "ends the one it fell in (StepGate.num_host_starved counts it). 0 turns the rule off. "
+        "ends the one it fell in (StepGate.num_host_starved counts it); the coordinator's "
+        "straggler rule leaves such a rank-step out too. 0 turns the rule off. "
         "Default 0.5: a step that shares its core with one busy thread runs at half speed and "
         "waits as long as it grew (ratio 1); a slow device, link or data source makes the "
         "thread wait voluntarily (ratio 0).", 0.0)

@@ -178,8 +178,8 @@ WAITING = {"n": dict(NORMAL, cpu_wait_s=0.001, peer_cpu_wait_s=0.001), "compute"
            "both_waited_comm": dict(SLOW["comm"], cpu_wait_s=0.031, peer_cpu_wait_s=0.031),
            "self_waited_comm": dict(SLOW["comm"], cpu_wait_s=0.031, peer_cpu_wait_s=0.001),
            "unread": dict(SLOW["compute"], cpu_wait_s=None),
-           # twice as slow as a starved step (0.300 s of excess), no CPU wait
-           "much_slower": dict(NORMAL, total_s=0.400, forward_s=0.330, cpu_wait_s=0.001)}
+           # three times as slow as a starved step (0.500 s of excess), no CPU wait
+           "much_slower": dict(NORMAL, total_s=0.600, forward_s=0.530, cpu_wait_s=0.001)}
 
 
 def feed_waiting(gate: StepGate, kinds) -> list[int]:
@@ -205,6 +205,10 @@ HOST_WAIT_CASES = [
     # (a fault that starts as the contention ends is named as soon)
     ("a much slower step after a starved one counts", {},
      WARM + ["starved"] + ["much_slower"] * 3, [11], 1),
+    # a slowdown named already is not named again when contention comes and goes in it
+    # (11 starved; the slowdown then grows past its aftermath: still the same run)
+    ("a named slowdown through contention is named once", {},
+     WARM + ["compute"] * 3 + ["starved"] + ["much_slower"] * 3, [10], 1),
     # a step slow in communication: this rank's wait and the waited-for peer's add up
     ("a wait for a peer plus this rank's own", {}, WARM + ["both_waited_comm"] * 3, [], 3),
     ("this rank's own wait alone under half", {}, WARM + ["self_waited_comm"] * 3, [10], 0),
@@ -223,6 +227,24 @@ def test_a_step_slowed_by_waiting_for_a_cpu_is_the_hosts(name, changes, kinds, e
     gate = StepGate(GuardConfig(**changes))
     assert feed_waiting(gate, kinds) == expected
     assert gate.num_host_starved == starved
+
+
+def test_a_starved_step_that_settles_after_a_checkpoint_starts_the_aftermath_too():
+    # a checkpoint before step 8 settles 8-10 unjudged; step 10 was starved, so 11-13 (no
+    # slower than 1.5 x step 10) are its aftermath: no event. Without the starved step 10,
+    # 11-13 make one.
+    def events(kinds):
+        gate = StepGate(GuardConfig())
+        found = []
+        for i, kind in enumerate(kinds):
+            if i == 8:
+                gate.note_pause(8)
+            found += [i for d in gate.observe(StepStats(step=i, **WAITING[kind]))
+                      if d.action is Action.SLOW_STEP]
+        return found
+
+    assert events(WARM + ["compute", "compute", "starved"] + ["compute"] * 3) == []
+    assert events(WARM + ["compute", "compute", "compute"] + ["compute"] * 3) == [13]
 
 
 SLOW_CASES = [

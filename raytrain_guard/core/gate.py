@@ -97,7 +97,10 @@ class StepGate:
         gap_s = stats.idle_before_s
         if gap_s is not None and totals and gap_s > cfg.pause_gap_steps * totals[len(totals) // 2]:
             self.note_pause(stats.step)         # the loop paused before this step
-        if self._num_seen <= cfg.slow_step_warmup_steps or stats.step < self._settle_until:
+        if self._num_seen <= cfg.slow_step_warmup_steps:
+            return decisions
+        if stats.step < self._settle_until:
+            self._note_settling_starved(stats)
             return decisions
         n = len(totals)
         threshold_s = cfg.slow_step_abs_s
@@ -386,15 +389,30 @@ class StepGate:
         return min(MAX_PERSISTENCE_FACTOR * cfg.num_slow_steps,
                    max(cfg.num_slow_steps, longest + 1))
 
+    def _note_settling_starved(self, stats: StepStats) -> None:
+        """A step that settles after a pause is not judged, but one the host starved (slow
+        against the window's median, see :meth:`_host_starved`) starts the aftermath all the
+        same: a checkpoint's contention often outlasts the settling steps."""
+        totals = self._sorted_totals
+        if (stats.cpu_wait_s is None and stats.peer_cpu_wait_s is None
+                or len(totals) < _MIN_MEDIAN_POINTS
+                or stats.total_s <= self.config.slow_step_factor * statistics.median(totals)):
+            return
+        if self._host_starved(stats, self._most_grown(stats)[0]):
+            self._host_until = stats.step + 1 + self.config.slow_step_host_settle_steps
+            self._host_total_s = stats.total_s
+
     def _excuse_host(self, stats: StepStats) -> None:
         """A slow step the host's contention explains: it does not count toward a run of slow
         steps and ends the one it fell in (whose first step was the contention's start, not
-        read for a CPU wait: GateFeed reads it only for steps over the quiet bound). It stays
-        in the window, whose spread keeps the next noisy steps in line."""
+        read for a CPU wait: GateFeed reads it only for steps over the quiet bound), unless
+        that run was named already: a slowdown that lasts through the contention is not named
+        again. The step stays in the window, whose spread keeps the next noisy steps in
+        line."""
         self.num_host_starved += 1
-        self._run.clear()
-        self._run_parts = 0
-        self._run_reported = False
+        if not self._run_reported:
+            self._run.clear()
+            self._run_parts = 0
 
     def _host_starved(self, stats: StepStats, cause: Cause) -> bool:
         """Whether the training thread waited for a CPU (``cpu_wait_s``, over its median in the

@@ -564,7 +564,10 @@ def _stragglers(view, state, config, at, scores, decisions) -> PolicyState:
                                 num_steps=config.num_slow_steps,
                                 straggler_frac=config.straggler_frac,
                                 floor_s=config.slow_step_floor_s, mad_k=config.slow_step_mad_k,
-                                scan_steps=config.report_every_steps)
+                                scan_steps=config.report_every_steps,
+                                host_wait_frac=config.slow_step_host_wait_frac,
+                                host_settle_steps=config.slow_step_host_settle_steps,
+                                host_settle_factor=config.slow_step_factor)
     recovered_below = config.straggler_frac * STRAGGLER_NOISE_SHARE
     flagged_ranks = {r for r in state.flagged_ranks if r in slow or (
         r in scores and scores[r].excess_frac >= recovered_below)}

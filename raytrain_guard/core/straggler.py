@@ -178,8 +178,9 @@ class Slowdown:
 def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
                          summaries: Mapping[int, TimingSummary], *, num_steps: int = 3,
                          straggler_frac: float = 0.10, floor_s: float = 0.002,
-                         mad_k: float = 3.5, scan_steps: int | None = None
-                         ) -> dict[int, Slowdown]:
+                         mad_k: float = 3.5, scan_steps: int | None = None,
+                         host_wait_frac: float = 0.0, host_settle_steps: int = 0,
+                         host_settle_factor: float = 1.5) -> dict[int, Slowdown]:
     """The ranks slow in data or compute (or, when none is, communication) at each of
     ``num_steps`` consecutive steps, among the last ``scan_steps`` steps (default
     ``num_steps``; the coordinator scans a report batch) that every rank has reported, against
@@ -189,6 +190,13 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
     (once reported), and a step the whole group pays (a loaded shared box, a slow batch for
     every rank) raises the reference with it, so nobody is blamed for it. Needs two ranks or
     more with ``num_steps`` common steps; fewer gives {}.
+
+    With ``host_wait_frac`` > 0, a rank's step whose excess the host's contention explains
+    does not count and ends a run, as in the step gate (``slow_step_host_wait_frac``,
+    ``slow_step_host_settle_steps``): the rank's wait for a CPU (``cpu_wait_s``, and for
+    communication the node peer's, ``peer_cpu_wait_s``, each over its median in the window)
+    at least that fraction of the excess, and the ``host_settle_steps`` steps after such a
+    step that are no slower than ``host_settle_factor`` x its time.
 
     Example (2 ranks, compute in ms at steps 8-10: rank 0 [3.0, 3.2, 2.9], rank 1 [7.5, 8.0,
     7.4]; median step 4 ms, spreads 0.2 ms): reference (median_low) [3.0, 3.2, 2.9]; rank 1's
@@ -224,7 +232,13 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
         refs = [statistics.median_low([get(aligned[r][st]) for r in ranks]) for st in steps]
         for r in ranks:
             values = [get(aligned[r][st]) for st in steps]
-            run = _latest_run([v - ref for v, ref in zip(values, refs)], threshold, num_steps)
+            excess = [v - ref for v, ref in zip(values, refs)]
+            if host_wait_frac > 0:
+                explained = _host_explained(
+                    [aligned[r][st] for st in steps], excess, windows[r], host_wait_frac,
+                    host_settle_steps, host_settle_factor, cause is Cause.COMMUNICATION)
+                excess = [0.0 if e else x for x, e in zip(excess, explained)]
+            run = _latest_run(excess, threshold, num_steps)
             if run is None:
                 continue
             excess = min(v - ref for v, ref in zip(values[run], refs[run]))
@@ -235,6 +249,28 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
                                          statistics.median(refs[run]), step_s,
                                          tuple(steps[run]))
     return found_slow
+
+
+def _host_explained(stats: Sequence[StepStats], excess: Sequence[float],
+                    window: Sequence[StepStats], frac: float, settle_steps: int,
+                    settle_factor: float, with_peer: bool) -> list[bool]:
+    """Per step of ``stats`` (consecutive, with their ``excess`` in one component), whether the
+    host's contention explains it: the step gate's host-wait rule and its aftermath
+    (``StepGate._host_starved``), here over one rank's steps as the coordinator has them."""
+    fields = ("cpu_wait_s", "peer_cpu_wait_s") if with_peer else ("cpu_wait_s",)
+    usual = {name: statistics.median([w for s in window if (w := getattr(s, name)) is not None]
+                                     or [0.0]) for name in fields}
+    out = []
+    until, starved_total_s = -1, 0.0
+    for i, (s, e) in enumerate(zip(stats, excess)):
+        waited_s = sum(max(0.0, w - usual[name]) for name in fields
+                       if (w := getattr(s, name)) is not None)
+        if e > 0 and waited_s >= frac * e:
+            until, starved_total_s = i + settle_steps, s.total_s
+            out.append(True)
+        else:
+            out.append(i <= until and s.total_s <= settle_factor * starved_total_s)
+    return out
 
 
 def _latest_run(excess: Sequence[float], threshold: float, num_steps: int) -> slice | None:
