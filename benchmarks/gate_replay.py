@@ -32,11 +32,27 @@ def read_steps(trace_dir: str) -> dict[int, list[dict]]:
     return out
 
 
+def peer_work_from(traces: dict[int, list[dict]], rank: int) -> dict[int, float]:
+    """Per step, the most work (data wait and compute) another rank of the trace did: what
+    the node's board holds at best (every step, no race), for traces written before steps
+    carried ``peer_work_s``."""
+    most: dict[int, float] = {}
+    for other, rows in traces.items():
+        if other != rank:
+            for r in rows:
+                if r["t"] == "step":
+                    work_s = r["data_wait_s"] + r["compute_s"]
+                    most[r["step"]] = max(most.get(r["step"], work_s), work_s)
+    return most
+
+
 def replay(rows: list[dict], rank: int, config: GuardConfig,
-           checkpoint_every: int = 0) -> list[tuple[int, str]]:
+           checkpoint_every: int = 0,
+           peer_work: dict[int, float] | None = None) -> list[tuple[int, str]]:
     """(step, cause) of each slow-step event the gate decides on ``rows`` (``step`` and
     ``start`` records), with the pauses the train loop notes: after every ``checkpoint_every``
-    steps and at a resume."""
+    steps and at a resume. ``peer_work``: per step, the ``peer_work_s`` of steps that carry
+    none."""
     gate = StepGate(config)
     events = []
     for r in rows:
@@ -47,9 +63,12 @@ def replay(rows: list[dict], rank: int, config: GuardConfig,
             continue
         if checkpoint_every and r["step"] and r["step"] % checkpoint_every == 0:
             gate.note_pause(r["step"])       # trace steps count from 0: K steps done before it
+        work_s = r.get("peer_work_s")
+        if work_s is None and peer_work is not None:
+            work_s = peer_work.get(r["step"])
         stats = StepStats(r["step"], r["total_s"], r["data_wait_s"], r["compute_s"], 0.0,
                           r["comm_wait_s"], 0.0, None, rank, r.get("cpu_wait_s"),
-                          r.get("peer_cpu_wait_s"))
+                          r.get("peer_cpu_wait_s"), None, work_s)
         events += [(r["step"], d.cause.value) for d in gate.observe(stats)
                    if d.action.value == "slow_step"]
     return events
@@ -68,14 +87,20 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=25, metavar="K",
                         help="steps between the run's checkpoints, after each of which the gate "
                         "lets steps settle (the experiment's: 25; 0: none)")
+    parser.add_argument("--peer-work-from-traces", action="store_true",
+                        help="steps without peer_work_s take the other ranks' work from their "
+                        "traces (what the node's board holds at best: every step, no race)")
     parser.add_argument("--totals", action="store_true",
                         help="only the line with the events of all traces")
     args = parser.parse_args()
     config = GuardConfig.from_dict(dict(args.settings), source="--set")
     num_steps = num_events = 0
     for trace_dir in args.trace_dirs:
-        for rank, rows in read_steps(trace_dir).items():
-            events = replay(rows, rank, config, args.checkpoint_every)
+        traces = read_steps(trace_dir)
+        for rank, rows in traces.items():
+            events = replay(rows, rank, config, args.checkpoint_every,
+                            peer_work_from(traces, rank) if args.peer_work_from_traces
+                            else None)
             steps = sum(r["t"] == "step" for r in rows)
             num_steps += steps
             num_events += len(events)

@@ -176,6 +176,16 @@ class GuardConfig:
         "slow_step_settle_steps): replayed over 30 clean 600-step arms of the 2-core CI box "
         "(benchmarks/gate_replay.py), 3 slow-step events with 0, 1 with 3; over 140 arms with "
         "an injected fault, 2 named one step later, none missed. 0: no settling.", 0)
+    slow_step_peer_work_frac: float = _doc(
+        0.5, "A step slow in communication while another rank of this node did more work in "
+        "it (data wait and compute, StepStats.peer_work_s, from the node's shared board) than "
+        "this one by at least this fraction of the step's excess over the recent median waited "
+        "for that rank in the collective: neither this rank's slowdown nor its link's, and that "
+        "rank's own gate judges it. It does not count toward a run of slow steps and ends one "
+        "not yet named (StepGate.num_waited_for_peer counts it). 0 turns the rule off. Default "
+        "0.5 (as slow_step_host_wait_frac): under DDP the waiting rank's communication wait "
+        "grows by the other's extra work; a slow link or a congested one grows it with no "
+        "rank's work grown. Ranks on other nodes are not seen.", 0.0)
     pause_gap_steps: float = _doc(
         3.0, "Time between two steps (the loop's, after one step closed and before the next "
         "began) longer than this many median steps is a pause, a checkpoint or an evaluation, "

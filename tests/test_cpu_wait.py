@@ -143,20 +143,24 @@ def test_a_busy_neighbour_is_not_named_a_slow_rank_and_a_slow_device_still_is():
 
 # -- the other ranks of the node -----------------------------------------------------------------
 
-def test_the_board_gives_the_most_another_local_rank_waited_in_a_step(tmp_path):
+def test_the_board_gives_the_most_another_local_rank_waited_and_worked_in_a_step(tmp_path):
     path = str(tmp_path / "board")
     ranks = [NodeCpuWaits(path, r, 3) for r in range(3)]
-    ranks[1].publish(5, 0.25)
-    ranks[2].publish(5, 0.5)
-    ranks[0].publish(5, 1.0)                  # rank 0's own wait is not another's
-    assert ranks[0].most_at(5) == 0.5
-    assert ranks[1].most_at(5) == 1.0
-    assert ranks[0].most_at(6) is None        # nobody published step 6 yet
+    ranks[1].publish(5, 0.25, 0.010)
+    ranks[2].publish(5, 0.5)                  # its work not known yet (CUDA events)
+    ranks[0].publish(5, 1.0, 0.030)           # rank 0's own figures are not another's
+    assert ranks[0].peers_at(5) == (0.5, 0.010)
+    assert ranks[1].peers_at(5) == (1.0, 0.030)
+    ranks[2].publish_work(5, 0.020)           # the events completed
+    assert ranks[0].peers_at(5) == (0.5, 0.020)
+    ranks[2].publish_work(4, 0.040)           # no entry of step 4: nothing written
+    assert ranks[0].peers_at(4) == (None, None)
+    assert ranks[0].peers_at(6) == (None, None)    # nobody published step 6 yet
     ranks[1].publish(5 + RING_STEPS, 0.1)     # the ring moved on past step 5 on rank 1
-    assert ranks[2].most_at(5) == 1.0
+    assert ranks[2].peers_at(5) == (1.0, 0.030)
     ranks[0].close()
     assert not os.path.exists(path)           # local rank 0 removes the board
-    assert ranks[1].most_at(5) == 1.0         # the others still hold it
+    assert ranks[1].peers_at(5) == (1.0, 0.030)    # the others still hold it
 
 
 def test_an_earlier_groups_entry_for_the_same_step_is_not_read(tmp_path):
@@ -169,10 +173,10 @@ def test_an_earlier_groups_entry_for_the_same_step_is_not_read(tmp_path):
     now[0] = 200.0
     rank0, rank1 = NodeCpuWaits(path, 0, 2, clock=lambda: now[0]), \
         NodeCpuWaits(path, 1, 2, clock=lambda: now[0])
-    assert rank0.most_at(5, since_s=150.0) is None     # rank 1 has not closed step 5 yet
-    assert rank0.most_at(5) == 0.75                    # (what an unstamped read would take)
+    assert rank0.peers_at(5, since_s=150.0) == (None, None)  # rank 1 has not closed step 5
+    assert rank0.peers_at(5)[0] == 0.75                # (what an unstamped read would take)
     rank1.publish(5, 0.125)
-    assert rank0.most_at(5, since_s=150.0) == 0.125
+    assert rank0.peers_at(5, since_s=150.0)[0] == 0.125
 
 
 def test_a_timer_reads_the_peers_entries_written_since_its_step_began(tmp_path):
@@ -194,6 +198,38 @@ def test_a_timer_reads_the_peers_entries_written_since_its_step_began(tmp_path):
     NodeCpuWaits(path, 1, 2, clock=lambda: now[0]).publish(2, 0.25)
     assert timer.finish_step(2).peer_cpu_wait_s == 0.25
     board.close()
+
+
+def test_a_timer_publishes_its_steps_work_for_the_others(tmp_path):
+    # local rank 1 closes steps 0 and 1 on the fast path (close_step, then read_cpu_wait):
+    # step 1 spent 2 ms in data, 3 in forward, 4 in backward and 1 after it (optimizer), then
+    # waited 5 ms in a collective; rank 0's step 1 gets that 10 ms of work as peer_work_s
+    from raytrain_guard.runtime.timing import StepTimer
+
+    now = [0.0]
+    path = str(tmp_path / "board")
+    boards = [NodeCpuWaits(path, r, 2, clock=lambda: now[0]) for r in (0, 1)]
+    waits = iter([0.001, 0.003])
+    slow = StepTimer(clock=lambda: now[0], cpu_wait=lambda: next(waits), node_waits=boards[1])
+    ours = StepTimer(clock=lambda: now[0], node_waits=boards[0])
+    for step in (0, 1):
+        ours.begin_step(step)
+        slow.begin_step(step)
+        for phase, ms in (("data", 2), ("forward", 3), ("backward", 4)):
+            now[0] += ms / 1000
+            slow.mark(phase)
+        now[0] += 0.001
+        start = now[0]
+        now[0] += 0.005
+        slow.record_collective(start, now[0])
+        record, _ = slow.close_step(step)
+        slow.read_cpu_wait(record)
+        stats = ours.finish_step(step)
+    assert stats.peer_cpu_wait_s == pytest.approx(0.002)
+    assert stats.peer_work_s == pytest.approx(0.010)
+    assert slow.stats_of(record, None).comm_wait_s == pytest.approx(0.005)   # built again alike
+    for board in boards:
+        board.close()
 
 
 def test_no_board_for_a_rank_alone_on_its_node_or_without_a_group():
@@ -236,7 +272,7 @@ def test_another_rank_starved_of_cpu_shows_on_the_board(tmp_path):
         with _contender(cpu):
             go.set()
             assert done.wait(10)
-        waited = board.most_at(7)
+        waited = board.peers_at(7)[0]
     finally:
         rank.kill()
         rank.join(10)

@@ -247,6 +247,42 @@ def test_a_starved_step_that_settles_after_a_checkpoint_starts_the_aftermath_too
     assert events(WARM + ["compute", "compute", "compute"] + ["compute"] * 3) == [13]
 
 
+# Another rank of the node did 0.100 s more work (data wait and compute) than this one's
+# 0.090 s: this rank's communication wait grew by as much, waiting for it in the collective.
+PEER_WORK = {"n": dict(NORMAL, peer_work_s=0.090),
+             "waited_for_peer": dict(SLOW["comm"], peer_work_s=0.190),
+             "peer_a_little_longer": dict(SLOW["comm"], peer_work_s=0.130),
+             "link": dict(SLOW["comm"], peer_work_s=0.090),
+             "own_compute": dict(SLOW["compute"], peer_work_s=0.290)}
+
+PEER_WORK_CASES = [
+    # (name, config changes, kinds, expected event indices, steps that waited for a peer)
+    ("a wait for a rank that worked longer is that rank's", {},
+     WARM + ["waited_for_peer"] * 3, [], 3),
+    ("a slow link: nobody worked longer", {}, WARM + ["link"] * 3, [10], 0),
+    ("0.040 s more work is under half the 0.100 s", {}, WARM + ["peer_a_little_longer"] * 3,
+     [10], 0),
+    ("0 turns the rule off", {"slow_step_peer_work_frac": 0.0},
+     WARM + ["waited_for_peer"] * 3, [10], 0),
+    ("a peer's work never excuses this rank's compute", {}, WARM + ["own_compute"] * 3,
+     [10], 0),
+    # it ends a run not named yet: 8 counts, 9 waited, 10-11 count again: no three in a row
+    ("it ends a run", {}, WARM + ["link", "waited_for_peer", "link", "link"], [], 1),
+]
+
+
+@pytest.mark.parametrize("name,changes,kinds,expected,waited", PEER_WORK_CASES,
+                         ids=[c[0] for c in PEER_WORK_CASES])
+def test_a_step_that_waited_for_a_rank_of_the_node_that_worked_longer(name, changes, kinds,
+                                                                       expected, waited):
+    gate = StepGate(GuardConfig(**changes))
+    events = [i for i, kind in enumerate(kinds)
+              for d in gate.observe(StepStats(step=i, **PEER_WORK[kind]))
+              if d.action is Action.SLOW_STEP]
+    assert events == expected
+    assert gate.num_waited_for_peer == waited
+
+
 SLOW_CASES = [
     # (name, config changes, kinds, expected [(index, cause)])
     ("data grew", {}, WARM + ["data"] * 3, [(10, Cause.DATA)]),

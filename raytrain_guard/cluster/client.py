@@ -511,4 +511,4 @@ def _row(s: StepStats) -> tuple:
     """One step as the coordinator's report row (``coordinator_reports.STEP_FIELDS`` order)."""
     return (s.step, s.total_s, s.data_wait_s, s.forward_s, s.backward_s, s.comm_wait_s,
             s.optimizer_s, s.memory_frac, s.world_rank, s.cpu_wait_s, s.peer_cpu_wait_s,
-            s.idle_before_s)
+            s.idle_before_s, s.peer_work_s)

@@ -64,6 +64,8 @@ class StepGate:
         self._num_seen = 0
         #: slow steps whose excess was the thread's wait for a CPU (not counted as slow)
         self.num_host_starved = 0
+        #: slow steps in communication that waited for a rank of the node that worked longer
+        self.num_waited_for_peer = 0
         self._settle_until = 0                   # steps before this one follow a checkpoint
         self._host_until = 0                     # steps before this one follow a starved one
         self._host_total_s = 0.0                 # the total_s of that starved step
@@ -143,6 +145,11 @@ class StepGate:
             # a few steps after a starved one and not slow against it: the contention's
             # aftermath (cold caches, the starved rank's catch-up), not this rank's slowdown
             self._excuse_host(stats)
+        elif slow and cause is Cause.COMMUNICATION and self._waited_for_peer(stats):
+            # another rank of this node worked longer by about as long as this one waited in
+            # the collective: this rank waited for that one, whose own gate judges it
+            self.num_waited_for_peer += 1
+            self._end_unnamed_run()
         elif slow:
             # persistence in one cause: a step slow in another component than the run's starts
             # a new run (random outliers land in random phases; a real slowdown stays put)
@@ -410,9 +417,26 @@ class StepGate:
         again. The step stays in the window, whose spread keeps the next noisy steps in
         line."""
         self.num_host_starved += 1
+        self._end_unnamed_run()
+
+    def _end_unnamed_run(self) -> None:
+        """End the run of slow steps, unless it was named already (a slowdown that lasts
+        through what excuses a step is not named again)."""
         if not self._run_reported:
             self._run.clear()
             self._run_parts = 0
+
+    def _waited_for_peer(self, stats: StepStats) -> bool:
+        """Whether another rank of this node did more work in the step (``peer_work_s``: its
+        data wait and compute) than this one by ``slow_step_peer_work_frac`` of the step's
+        excess over the window's median (the floor at least)."""
+        frac = self.config.slow_step_peer_work_frac
+        totals = self._sorted_totals
+        if frac <= 0 or stats.peer_work_s is None or not totals:
+            return False
+        line_s = frac * max(stats.total_s - statistics.median(totals),
+                            self.config.slow_step_floor_s)
+        return stats.peer_work_s - (stats.data_wait_s + stats.compute_s) >= line_s
 
     def _host_starved(self, stats: StepStats, cause: Cause) -> bool:
         """Whether the training thread waited for a CPU (``cpu_wait_s``, over its median in the

@@ -20,6 +20,9 @@ class StepStats:
     step (its contention makes this rank wait in the collective); None where not measured.
     ``idle_before_s``: the loop's time between the previous step's close and this step's
     start (a checkpoint, an evaluation); None when the step started where the last ended.
+    ``peer_work_s``: the most another rank of this node spent on its own work in the same step
+    (data wait and compute; a rank that works longer makes the others wait for it in the
+    collective); None where not measured.
     """
 
     step: int
@@ -34,22 +37,24 @@ class StepStats:
     cpu_wait_s: float | None = None
     peer_cpu_wait_s: float | None = None
     idle_before_s: float | None = None
+    peer_work_s: float | None = None
 
     def __init__(self, step: int, total_s: float, data_wait_s: float = 0.0,
                  forward_s: float = 0.0, backward_s: float = 0.0, comm_wait_s: float = 0.0,
                  optimizer_s: float = 0.0, memory_frac: float | None = None,
                  world_rank: int = 0, cpu_wait_s: float | None = None,
                  peer_cpu_wait_s: float | None = None,
-                 idle_before_s: float | None = None) -> None:
+                 idle_before_s: float | None = None,
+                 peer_work_s: float | None = None) -> None:
         # The fields above, in their order, with their defaults (a test holds the two lists
-        # together). One dict update instead of the frozen dataclass's twelve object.__setattr__
+        # together). One dict update instead of the frozen dataclass's thirteen object.__setattr__
         # calls: one StepStats is built per training step, and this halves its cost.
         self.__dict__.update(step=step, total_s=total_s, data_wait_s=data_wait_s,
                              forward_s=forward_s, backward_s=backward_s,
                              comm_wait_s=comm_wait_s, optimizer_s=optimizer_s,
                              memory_frac=memory_frac, world_rank=world_rank,
                              cpu_wait_s=cpu_wait_s, peer_cpu_wait_s=peer_cpu_wait_s,
-                             idle_before_s=idle_before_s)
+                             idle_before_s=idle_before_s, peer_work_s=peer_work_s)
 
     @property
     def compute_s(self) -> float:

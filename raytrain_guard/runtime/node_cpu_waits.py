@@ -1,4 +1,4 @@
-"""The CPU waits of the other ranks of this node, through a small shared file: no RPC.
+"""The other local ranks' CPU waits and work per step, through a small shared file: no RPC.
 
 Under synchronous training a rank that the host starves of CPU (``cpu_wait_s``) makes every
 other rank wait for it in the collective: there the host's contention shows as communication
@@ -7,8 +7,11 @@ wait into its ring of recent steps in one file per node and group, mapped into m
 at the step's close, no system call), and reads the others' entries for a step when it builds
 that step's figures (with the gate's batch, off the per-step path): a step slow in
 communication while another rank of this node waited for a CPU is the host's contention too
-(``StepStats.peer_cpu_wait_s``, the step gate's host-wait rule). Ranks on other nodes are not
-seen: their contention still shows here as communication wait.
+(``StepStats.peer_cpu_wait_s``, the step gate's host-wait rule). Each entry also holds the
+rank's own work in the step (data wait and compute): a step slow in communication while another
+rank of this node worked longer by as much waited for that rank, which its own gate judges
+(``StepStats.peer_work_s``, the step gate's peer-work rule), not for the link. Ranks on other
+nodes are not seen: their contention and their slowness still show here as communication wait.
 
 The file lives in ``/dev/shm`` (memory; the temp folder where there is none), named after the
 group's rendezvous address (``MASTER_ADDR``/``MASTER_PORT``, the same on every rank of a group,
@@ -18,6 +21,7 @@ different for groups alive at the same time) and removed by local rank 0 at :met
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import re
@@ -30,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["NodeCpuWaits"]
 
-_ENTRY = struct.Struct("<ddd")    # (step, seconds waited for a CPU in it, when written)
-_NAME = "raytrain_guard-cpuwait-v2"
+_ENTRY = struct.Struct("<dddd")   # (step, seconds waited for a CPU in it, seconds of own
+                                  # work in it (NaN: not known yet), when written)
+_WORK = struct.Struct("<d")
+_NAME = "raytrain_guard-cpuwait-v3"
 """The board files' name; the version names the entry layout, so a file an earlier layout left
 behind (a rank killed before its close) is never read as this one."""
 RING_STEPS = 64
@@ -40,7 +46,7 @@ entries of the steps a batch judges are still there."""
 
 
 class NodeCpuWaits:
-    """One rank's end of the node's board of per-step CPU waits (seconds).
+    """One rank's end of the node's board of per-step CPU waits and work (seconds).
 
     ``path``: the board file (see :meth:`for_group`); ``local_rank`` of ``local_world_size``
     ranks on this node. ``clock``: the host clock entries are stamped with, the same in every
@@ -81,29 +87,46 @@ class NodeCpuWaits:
                         folder, exc_info=True)
             return None
 
-    def publish(self, step: int, wait_s: float) -> None:
-        """This rank waited ``wait_s`` for a CPU in ``step`` (at the step's close)."""
+    def publish(self, step: int, wait_s: float, work_s: float = math.nan) -> None:
+        """This rank waited ``wait_s`` for a CPU in ``step`` and worked ``work_s`` in it (NaN:
+        not known yet, see :meth:`publish_work`), at the step's close."""
         board = self._map
         if board is not None:
-            _ENTRY.pack_into(board, self._offset(self.local_rank, step), step, wait_s,
+            _ENTRY.pack_into(board, self._offset(self.local_rank, step), step, wait_s, work_s,
                              self._clock())
 
-    def most_at(self, step: int, since_s: float = float("-inf")) -> float | None:
-        """The most any other rank of the node waited for a CPU in ``step`` (None: none of
-        them has published it yet, or no longer keeps it), counting only entries written at
-        ``since_s`` or later (this clock). A step's timer passes the time its own step began:
-        under synchronous training no rank closes a step before every rank began it, so an
-        older entry for the same step number is an earlier group's (a crashed attempt or a
-        finished run that used the same rendezvous port and left its file behind)."""
+    def publish_work(self, step: int, work_s: float) -> None:
+        """This rank's work in ``step``, known after its close (CUDA events), into the entry
+        :meth:`publish` wrote (none: nothing)."""
         board = self._map
         if board is None:
-            return None
-        most = None
+            return
+        offset = self._offset(self.local_rank, step)
+        if _ENTRY.unpack_from(board, offset)[0] == step:
+            _WORK.pack_into(board, offset + 16, work_s)
+
+    def peers_at(self, step: int, since_s: float = float("-inf")
+                 ) -> tuple[float | None, float | None]:
+        """(the most any other rank of the node waited for a CPU in ``step``, the most work
+        any of them did in it); None where none of them has published it yet, or keeps it no
+        longer. Only entries written at ``since_s`` or later (this clock) count: a step's timer
+        passes the time its own step began. Under synchronous training no rank closes a step
+        before every rank began it, so an older entry for the same step number is an earlier
+        group's (a crashed attempt or a finished run that used the same rendezvous port and
+        left its file behind)."""
+        board = self._map
+        if board is None:
+            return None, None
+        most_wait = most_work = None
         for rank in self._others:
-            at, wait_s, written_s = _ENTRY.unpack_from(board, self._offset(rank, step))
-            if at == step and written_s >= since_s and (most is None or wait_s > most):
-                most = wait_s
-        return most
+            at, wait_s, work_s, written_s = _ENTRY.unpack_from(board, self._offset(rank, step))
+            if at != step or written_s < since_s:
+                continue
+            if most_wait is None or wait_s > most_wait:
+                most_wait = wait_s
+            if not math.isnan(work_s) and (most_work is None or work_s > most_work):
+                most_work = work_s
+        return most_wait, most_work
 
     @staticmethod
     def _offset(rank: int, step: int) -> int:

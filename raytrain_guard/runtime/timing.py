@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -253,7 +254,11 @@ class StepTimer:
         if last is not None and last[0] == record.step - 1:
             record.cpu_wait = now - last[1]
             if self._node_waits is not None:
-                self._node_waits.publish(record.step, record.cpu_wait)
+                # host stamps: the step's work is known now; CUDA events: once they complete
+                # (_stats publishes it then)
+                work_s = sum(self._figures(record, None)[1:5]) if self._events is None \
+                    else math.nan
+                self._node_waits.publish(record.step, record.cpu_wait, work_s)
         self._cpu_wait_read = (record.step, now)
 
     # -- called by the communication hook (autograd and communication threads) ---------------
@@ -283,7 +288,23 @@ class StepTimer:
 
     def _stats(self, record: _StepRecord, elapsed: Callable[[Any, Any], float] | None,
                memory_frac: float | None) -> StepStats:
-        """Sum the phases; ``elapsed`` None: float stamps (the CPU fast path)."""
+        """The step's StepStats; ``elapsed`` None: float stamps (the CPU fast path)."""
+        total_s, data_s, forward_s, backward_s, optimizer_s, comm_wait_s = \
+            self._figures(record, elapsed)
+        peer_wait_s = peer_work_s = None
+        if self._node_waits is not None:
+            if elapsed is not None and record.cpu_wait is not None:
+                self._node_waits.publish_work(record.step, data_s + forward_s + backward_s
+                                              + optimizer_s)
+            peer_wait_s, peer_work_s = self._node_waits.peers_at(record.step, record.opened)
+        return StepStats(record.step, total_s, data_s, forward_s, backward_s,  # positional:
+                         comm_wait_s, optimizer_s, memory_frac, self.world_rank,  # per step
+                         record.cpu_wait, peer_wait_s, record.idle_before, peer_work_s)
+
+    def _figures(self, record: _StepRecord, elapsed: Callable[[Any, Any], float] | None
+                 ) -> tuple[float, float, float, float, float, float]:
+        """(total, data wait, forward, backward, optimizer, communication wait) seconds: the
+        phases summed; ``elapsed`` None: float stamps."""
         sums = [0.0, 0.0, 0.0, 0.0]
         marks = record.marks
         prev = marks[0][1]
@@ -297,7 +318,7 @@ class StepTimer:
             # record starts and ends with an UNTIMED stamp)
             start = marks[-2][1]
             sums[_OPTIMIZER] += prev - start if elapsed is None else elapsed(start, prev)
-        blocked_s = _blocked_by_phase(marks, record.collectives, sums) \
+        blocked_s = _blocked_by_phase(marks, list(record.collectives), sums) \
             if record.collectives else 0.0
         comm_wait_s = 0.0
         if record.last_ready is not None and record.done:
@@ -305,12 +326,8 @@ class StepTimer:
                 comm_wait_s = max(0.0, max(record.done) - record.last_ready)
             else:
                 comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
-        return StepStats(record.step, total_s, sums[0], sums[1],      # positional: per step
-                         max(0.0, sums[2] - comm_wait_s), comm_wait_s + blocked_s, sums[3],
-                         memory_frac, self.world_rank, record.cpu_wait,
-                         None if self._node_waits is None
-                         else self._node_waits.most_at(record.step, record.opened),
-                         record.idle_before)
+        return (total_s, sums[0], sums[1], max(0.0, sums[2] - comm_wait_s), sums[3],
+                comm_wait_s + blocked_s)
 
 
 def _blocked_by_phase(marks: list[tuple[int, Any]], collectives: list[tuple[float, float]],

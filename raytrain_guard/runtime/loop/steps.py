@@ -201,6 +201,7 @@ class StepsMixin:
                               comm_wait_s=round(s.comm_wait_s, 6), memory_frac=s.memory_frac,
                               cpu_wait_s=_rounded(s.cpu_wait_s),
                               peer_cpu_wait_s=_rounded(s.peer_cpu_wait_s),
+                              peer_work_s=_rounded(s.peer_work_s),
                               micro_batch=self.micro_batch, grad_accum=self.grad_accum)
 
 
