@@ -33,7 +33,7 @@ def read_steps(trace_dir: str) -> dict[int, list[dict]]:
 
 
 def peer_work_from(traces: dict[int, list[dict]], rank: int) -> dict[int, float]:
-    """Per step, the most work (data wait and compute) another rank of the trace did: what
+    """Per step, the most work (step time less communication wait) another rank did: what
     the node's board holds at best (every step, no race), for traces written before steps
     carried ``peer_work_s``."""
     most: dict[int, float] = {}

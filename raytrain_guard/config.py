@@ -178,9 +178,9 @@ class GuardConfig:
         "an injected fault, 2 named one step later, none missed. 0: no settling.", 0)
     slow_step_peer_work_frac: float = _doc(
         0.5, "A step slow in communication while another rank of this node did more work in "
-        "it (data wait and compute, StepStats.peer_work_s, from the node's shared board) than "
-        "this one by at least this fraction of the step's excess over the recent median waited "
-        "for that rank in the collective: neither this rank's slowdown nor its link's, and that "
+        "it (its step time less its communication wait, StepStats.peer_work_s, from the "
+        "node's shared board) than this one by at least this fraction of the step's excess "
+        "over the recent median waited for that rank in the collective: neither this rank's slowdown nor its link's, and that "
         "rank's own gate judges it. It does not count toward a run of slow steps and ends one "
         "not yet named (StepGate.num_waited_for_peer counts it). 0 turns the rule off. Default "
         "0.5 (as slow_step_host_wait_frac): under DDP the waiting rank's communication wait "

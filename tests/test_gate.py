@@ -247,7 +247,7 @@ def test_a_starved_step_that_settles_after_a_checkpoint_starts_the_aftermath_too
     assert events(WARM + ["compute", "compute", "compute"] + ["compute"] * 3) == [13]
 
 
-# Another rank of the node did 0.100 s more work (data wait and compute) than this one's
+# Another rank of the node did 0.100 s more work (time less communication wait) than this one's
 # 0.090 s: this rank's communication wait grew by as much, waiting for it in the collective.
 PEER_WORK = {"n": dict(NORMAL, peer_work_s=0.090),
              "waited_for_peer": dict(SLOW["comm"], peer_work_s=0.190),

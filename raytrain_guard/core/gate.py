@@ -21,6 +21,7 @@ from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
+from raytrain_guard.core.excuses import SlowStepExcuses
 from raytrain_guard.core.stats import robust_sigma, slope
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import StragglerScore, TimingSummary, score_summaries, summarize
@@ -62,13 +63,8 @@ class StepGate:
         self._ended_runs: deque[tuple[int, int]] = deque()   # (ending step, length) of
                                                  # streaks that ended by themselves lately
         self._num_seen = 0
-        #: slow steps whose excess was the thread's wait for a CPU (not counted as slow)
-        self.num_host_starved = 0
-        #: slow steps in communication that waited for a rank of the node that worked longer
-        self.num_waited_for_peer = 0
+        self._excuses = SlowStepExcuses(config)  # slow steps that are not this rank's
         self._settle_until = 0                   # steps before this one follow a checkpoint
-        self._host_until = 0                     # steps before this one follow a starved one
-        self._host_total_s = 0.0                 # the total_s of that starved step
         self._armed = True                       # watermark rule may fire
         self._last_release_s: float | None = None
         self._stopped = False                    # CHECKPOINT_AND_STOP already decided
@@ -102,7 +98,10 @@ class StepGate:
         if self._num_seen <= cfg.slow_step_warmup_steps:
             return decisions
         if stats.step < self._settle_until:
-            self._note_settling_starved(stats)
+            if len(totals) >= _MIN_MEDIAN_POINTS and (stats.cpu_wait_s is not None
+                                                      or stats.peer_cpu_wait_s is not None):
+                self._excuses.note_settling(stats, self._most_grown(stats)[0], self._window,
+                                            statistics.median(totals))
             return decisions
         n = len(totals)
         threshold_s = cfg.slow_step_abs_s
@@ -132,24 +131,17 @@ class StepGate:
             by_part = slow
         if slow and cause is None:
             cause = self._most_grown(stats)[0]  # the part that grew most (UNKNOWN: untimed)
-        if slow and self._host_starved(stats, cause):
-            # this thread (or, for a wait in the collective, another rank of the node) waited
-            # for a CPU about as long as the step grew: the host's contention (another process,
-            # too many loader workers), not this rank's slowdown. The steps after it settle
-            # (see below)
-            self._host_until = stats.step + 1 + cfg.slow_step_host_settle_steps
-            self._host_total_s = total_s
-            self._excuse_host(stats)
-        elif (slow and stats.step < self._host_until
-              and total_s <= cfg.slow_step_factor * self._host_total_s):
-            # a few steps after a starved one and not slow against it: the contention's
-            # aftermath (cold caches, the starved rank's catch-up), not this rank's slowdown
-            self._excuse_host(stats)
-        elif slow and cause is Cause.COMMUNICATION and self._waited_for_peer(stats):
-            # another rank of this node worked longer by about as long as this one waited in
-            # the collective: this rank waited for that one, whose own gate judges it
-            self.num_waited_for_peer += 1
-            self._end_unnamed_run()
+        if slow and totals and self._excuses.judge(stats, cause, self._window,
+                                                   statistics.median(totals)):
+            # not this rank's slowdown (the host's contention or its aftermath, a slower rank
+            # of the node: core.excuses): the step does not count toward a run of slow steps
+            # and ends the one it fell in (whose first step, not read for a CPU wait, was the
+            # contention's start), unless that run was named already: a slowdown that lasts
+            # through the contention is not named again. It stays in the window, whose spread
+            # keeps the next noisy steps in line
+            if not self._run_reported:
+                self._run.clear()
+                self._run_parts = 0
         elif slow:
             # persistence in one cause: a step slow in another component than the run's starts
             # a new run (random outliers land in random phases; a real slowdown stays put)
@@ -322,6 +314,17 @@ class StepGate:
         return tuple(self._window)
 
     @property
+    def num_host_starved(self) -> int:
+        """Slow steps the host's contention or its aftermath explains (not counted as slow)."""
+        return self._excuses.num_host_starved
+
+    @property
+    def num_waited_for_peer(self) -> int:
+        """Slow steps in communication that waited for a rank of the node that worked
+        longer (not counted as slow)."""
+        return self._excuses.num_waited_for_peer
+
+    @property
     def slow_run_length(self) -> int:
         """Slow steps in a row at the end of what was fed (0 after a step under the threshold):
         with :meth:`quiet_limits`, how many more steps over its time bound may wait before one
@@ -395,72 +398,6 @@ class StepGate:
         longest = max((n for _, n in ended), default=0)
         return min(MAX_PERSISTENCE_FACTOR * cfg.num_slow_steps,
                    max(cfg.num_slow_steps, longest + 1))
-
-    def _note_settling_starved(self, stats: StepStats) -> None:
-        """A step that settles after a pause is not judged, but one the host starved (slow
-        against the window's median, see :meth:`_host_starved`) starts the aftermath all the
-        same: a checkpoint's contention often outlasts the settling steps."""
-        totals = self._sorted_totals
-        if (stats.cpu_wait_s is None and stats.peer_cpu_wait_s is None
-                or len(totals) < _MIN_MEDIAN_POINTS
-                or stats.total_s <= self.config.slow_step_factor * statistics.median(totals)):
-            return
-        if self._host_starved(stats, self._most_grown(stats)[0]):
-            self._host_until = stats.step + 1 + self.config.slow_step_host_settle_steps
-            self._host_total_s = stats.total_s
-
-    def _excuse_host(self, stats: StepStats) -> None:
-        """A slow step the host's contention explains: it does not count toward a run of slow
-        steps and ends the one it fell in (whose first step was the contention's start, not
-        read for a CPU wait: GateFeed reads it only for steps over the quiet bound), unless
-        that run was named already: a slowdown that lasts through the contention is not named
-        again. The step stays in the window, whose spread keeps the next noisy steps in
-        line."""
-        self.num_host_starved += 1
-        self._end_unnamed_run()
-
-    def _end_unnamed_run(self) -> None:
-        """End the run of slow steps, unless it was named already (a slowdown that lasts
-        through what excuses a step is not named again)."""
-        if not self._run_reported:
-            self._run.clear()
-            self._run_parts = 0
-
-    def _waited_for_peer(self, stats: StepStats) -> bool:
-        """Whether another rank of this node did more work in the step (``peer_work_s``: its
-        data wait and compute) than this one by ``slow_step_peer_work_frac`` of the step's
-        excess over the window's median (the floor at least)."""
-        frac = self.config.slow_step_peer_work_frac
-        totals = self._sorted_totals
-        if frac <= 0 or stats.peer_work_s is None or not totals:
-            return False
-        line_s = frac * max(stats.total_s - statistics.median(totals),
-                            self.config.slow_step_floor_s)
-        return stats.peer_work_s - (stats.data_wait_s + stats.compute_s) >= line_s
-
-    def _host_starved(self, stats: StepStats, cause: Cause) -> bool:
-        """Whether the training thread waited for a CPU (``cpu_wait_s``, over its median in the
-        window) at least ``slow_step_host_wait_frac`` of the step's excess over the window's
-        median step (the floor at least: a step slow by its parts may have grown less). For a
-        step slow in communication, the wait of the other rank of this node that waited most
-        (``peer_cpu_wait_s``, over its median) adds to it: this rank waited for that one in the
-        collective, after its own work was late by its own wait."""
-        frac = self.config.slow_step_host_wait_frac
-        totals = self._sorted_totals
-        if frac <= 0 or not totals:
-            return False
-        line_s = frac * max(stats.total_s - statistics.median(totals),
-                            self.config.slow_step_floor_s)
-        fields = ("cpu_wait_s", "peer_cpu_wait_s") if cause is Cause.COMMUNICATION \
-            else ("cpu_wait_s",)
-        waited_s = 0.0
-        for name in fields:
-            wait_s = getattr(stats, name)
-            if wait_s is not None:
-                usual_s = statistics.median([w for s in self._window
-                                             if (w := getattr(s, name)) is not None] or [0.0])
-                waited_s += max(0.0, wait_s - usual_s)
-        return waited_s >= line_s
 
     def _most_grown(self, stats: StepStats) -> tuple[Cause, float, list[float]]:
         """(cause, growth in seconds, the window's values) of the component that grew most

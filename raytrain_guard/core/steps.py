@@ -21,8 +21,8 @@ class StepStats:
     ``idle_before_s``: the loop's time between the previous step's close and this step's
     start (a checkpoint, an evaluation); None when the step started where the last ended.
     ``peer_work_s``: the most another rank of this node spent on its own work in the same step
-    (data wait and compute; a rank that works longer makes the others wait for it in the
-    collective); None where not measured.
+    (its step time less its communication wait; a rank that works longer makes the others
+    wait for it in the collective); None where not measured.
     """
 
     step: int

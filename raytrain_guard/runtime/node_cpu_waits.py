@@ -1,16 +1,16 @@
 """The other local ranks' CPU waits and work per step, through a small shared file: no RPC.
 
-Under synchronous training a rank that the host starves of CPU (``cpu_wait_s``) makes every
-other rank wait for it in the collective: there the host's contention shows as communication
+Under synchronous training a rank that the host starves of CPU (``cpu_wait_s``), or that is
+slow, makes every other rank wait for it in the collective: there it shows as communication
 wait, which the waiting rank alone cannot tell from a slow link. Each rank writes each step's
-wait into its ring of recent steps in one file per node and group, mapped into memory (24 bytes
-at the step's close, no system call), and reads the others' entries for a step when it builds
-that step's figures (with the gate's batch, off the per-step path): a step slow in
-communication while another rank of this node waited for a CPU is the host's contention too
-(``StepStats.peer_cpu_wait_s``, the step gate's host-wait rule). Each entry also holds the
-rank's own work in the step (data wait and compute): a step slow in communication while another
-rank of this node worked longer by as much waited for that rank, which its own gate judges
-(``StepStats.peer_work_s``, the step gate's peer-work rule), not for the link. Ranks on other
+figures into its ring of recent steps in one file per node and group, mapped into memory (32
+bytes at the step's close, no system call): its own work (its time less its communication
+wait) at every close, its wait for a CPU where read (steps over the gate's quiet bound). The
+others' entries for a step are read when that step's figures are built (with the gate's
+batch, off the per-step path). A step slow in communication while another rank of this node
+waited for a CPU is the host's contention too (``StepStats.peer_cpu_wait_s``, the host-wait
+rule); while another worked longer by as much, it waited for that rank, which its own gate
+judges (``StepStats.peer_work_s``, the peer-work rule), not for the link. Ranks on other
 nodes are not seen: their contention and their slowness still show here as communication wait.
 
 The file lives in ``/dev/shm`` (memory; the temp folder where there is none), named after the
@@ -88,8 +88,9 @@ class NodeCpuWaits:
             return None
 
     def publish(self, step: int, wait_s: float, work_s: float = math.nan) -> None:
-        """This rank waited ``wait_s`` for a CPU in ``step`` and worked ``work_s`` in it (NaN:
-        not known yet, see :meth:`publish_work`), at the step's close."""
+        """This rank waited ``wait_s`` for a CPU in ``step`` and worked ``work_s`` in it (its
+        time less its communication wait), at the step's close; NaN: not known (the wait not
+        read for that step; the work known once CUDA events complete, :meth:`publish_work`)."""
         board = self._map
         if board is not None:
             _ENTRY.pack_into(board, self._offset(self.local_rank, step), step, wait_s, work_s,
@@ -122,7 +123,7 @@ class NodeCpuWaits:
             at, wait_s, work_s, written_s = _ENTRY.unpack_from(board, self._offset(rank, step))
             if at != step or written_s < since_s:
                 continue
-            if most_wait is None or wait_s > most_wait:
+            if not math.isnan(wait_s) and (most_wait is None or wait_s > most_wait):
                 most_wait = wait_s
             if not math.isnan(work_s) and (most_work is None or work_s > most_work):
                 most_work = work_s

@@ -235,6 +235,8 @@ class StepTimer:
         record.marks.append((UNTIMED, end))
         self._closed_at = end
         self._record = _StepRecord(end, end)
+        if self._node_waits is not None:     # every step's work, for the node's other ranks
+            self._node_waits.publish(step, math.nan, _host_work_s(record))
         return record, end - record.marks[0][1]
 
     def stats_of(self, record: _StepRecord, memory_frac: float | None) -> StepStats:
@@ -256,9 +258,9 @@ class StepTimer:
             if self._node_waits is not None:
                 # host stamps: the step's work is known now; CUDA events: once they complete
                 # (_stats publishes it then)
-                work_s = sum(self._figures(record, None)[1:5]) if self._events is None \
-                    else math.nan
-                self._node_waits.publish(record.step, record.cpu_wait, work_s)
+                self._node_waits.publish(record.step, record.cpu_wait,
+                                         _host_work_s(record) if self._events is None
+                                         else math.nan)
         self._cpu_wait_read = (record.step, now)
 
     # -- called by the communication hook (autograd and communication threads) ---------------
@@ -293,9 +295,8 @@ class StepTimer:
             self._figures(record, elapsed)
         peer_wait_s = peer_work_s = None
         if self._node_waits is not None:
-            if elapsed is not None and record.cpu_wait is not None:
-                self._node_waits.publish_work(record.step, data_s + forward_s + backward_s
-                                              + optimizer_s)
+            if elapsed is not None:
+                self._node_waits.publish_work(record.step, total_s - comm_wait_s)
             peer_wait_s, peer_work_s = self._node_waits.peers_at(record.step, record.opened)
         return StepStats(record.step, total_s, data_s, forward_s, backward_s,  # positional:
                          comm_wait_s, optimizer_s, memory_frac, self.world_rank,  # per step
@@ -328,6 +329,18 @@ class StepTimer:
                 comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
         return (total_s, sums[0], sums[1], max(0.0, sums[2] - comm_wait_s), sums[3],
                 comm_wait_s + blocked_s)
+
+
+def _host_work_s(record: _StepRecord) -> float:
+    """Host stamps, a closed record: the step's own work, the figure its node peers read
+    (``StepStats.peer_work_s``): its time less its communication wait and the collectives it
+    blocked in (``total_s - comm_wait_s``, without building the StepStats)."""
+    work_s = record.marks[-1][1] - record.marks[0][1]
+    if record.last_ready is not None and record.done:
+        work_s -= max(0.0, max(record.done) - record.last_ready)
+    for start, end in record.collectives:
+        work_s -= end - start
+    return work_s
 
 
 def _blocked_by_phase(marks: list[tuple[int, Any]], collectives: list[tuple[float, float]],
