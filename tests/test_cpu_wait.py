@@ -4,6 +4,7 @@ gate telling a host's contention from a rank's slowdown on real processes."""
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import os
 import time
@@ -179,10 +180,23 @@ def test_an_earlier_groups_entry_for_the_same_step_is_not_read(tmp_path):
     assert rank0.peers_at(5, since_s=150.0)[0] == 0.125
 
 
+def test_a_peer_that_has_not_closed_the_step_yet_gives_its_step_before(tmp_path):
+    # rank 0 closed step 5 first (the two closes race): rank 1's step 4, written after rank
+    # 0's step 4 began (t=10), stands in for it; an earlier group's step 4 does not
+    now = [12.0]
+    path = str(tmp_path / "board")
+    rank0, rank1 = (NodeCpuWaits(path, r, 2, clock=lambda: now[0]) for r in (0, 1))
+    rank1.publish(4, math.nan, 0.030)
+    assert rank0.peers_at(5, since_s=20.0, prev_since_s=10.0) == (None, 0.030)
+    assert rank0.peers_at(5, since_s=20.0, prev_since_s=13.0) == (None, None)   # stale
+    assert rank0.peers_at(5, since_s=20.0) == (None, None)      # no step before asked for
+    now[0] = 21.0
+    rank1.publish(5, 0.002, 0.020)
+    assert rank0.peers_at(5, since_s=20.0, prev_since_s=10.0) == (0.002, 0.020)
+
+
 def test_a_timer_reads_the_peers_entries_written_since_its_step_began(tmp_path):
     # StepTimer passes the host time its step began: the stale entry above is left out
-    from raytrain_guard.runtime.timing import StepTimer
-
     now = [10.0]
     path = str(tmp_path / "board")
     stale = NodeCpuWaits(path, 1, 2, clock=lambda: now[0])
@@ -204,8 +218,6 @@ def test_a_timer_publishes_its_steps_work_for_the_others(tmp_path):
     # local rank 1 closes steps 0 and 1 on the fast path (close_step, then read_cpu_wait):
     # step 1 spent 2 ms in data, 3 in forward, 4 in backward and 1 after it (optimizer), then
     # waited 5 ms in a collective; rank 0's step 1 gets that 10 ms of work as peer_work_s
-    from raytrain_guard.runtime.timing import StepTimer
-
     now = [0.0]
     path = str(tmp_path / "board")
     boards = [NodeCpuWaits(path, r, 2, clock=lambda: now[0]) for r in (0, 1)]

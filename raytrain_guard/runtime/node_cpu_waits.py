@@ -106,22 +106,34 @@ class NodeCpuWaits:
         if _ENTRY.unpack_from(board, offset)[0] == step:
             _WORK.pack_into(board, offset + 16, work_s)
 
-    def peers_at(self, step: int, since_s: float = float("-inf")
-                 ) -> tuple[float | None, float | None]:
+    def peers_at(self, step: int, since_s: float = float("-inf"),
+                 prev_since_s: float | None = None) -> tuple[float | None, float | None]:
         """(the most any other rank of the node waited for a CPU in ``step``, the most work
-        any of them did in it); None where none of them has published it yet, or keeps it no
+        any of them did in it); None where none of them has published it, or keeps it no
         longer. Only entries written at ``since_s`` or later (this clock) count: a step's timer
         passes the time its own step began. Under synchronous training no rank closes a step
         before every rank began it, so an older entry for the same step number is an earlier
         group's (a crashed attempt or a finished run that used the same rendezvous port and
-        left its file behind)."""
+        left its file behind).
+
+        A rank that has not written ``step`` yet (this one closed it first: the two closes
+        race) gives its entry of the step before, written at ``prev_since_s`` (when this
+        rank's previous step began) or later, when given: that one it wrote before it joined
+        this step's collective, so it is there, and a slow rank's previous step is its best
+        guess of this one."""
         board = self._map
         if board is None:
             return None, None
         most_wait = most_work = None
         for rank in self._others:
             at, wait_s, work_s, written_s = _ENTRY.unpack_from(board, self._offset(rank, step))
-            if at != step or written_s < since_s:
+            if (at != step or written_s < since_s) and prev_since_s is not None:
+                at, wait_s, work_s, written_s = _ENTRY.unpack_from(
+                    board, self._offset(rank, step - 1))
+                at, since = at + 1, prev_since_s
+            else:
+                since = since_s
+            if at != step or written_s < since:
                 continue
             if not math.isnan(wait_s) and (most_wait is None or wait_s > most_wait):
                 most_wait = wait_s

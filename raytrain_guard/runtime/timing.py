@@ -35,11 +35,12 @@ class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
     __slots__ = ("collectives", "cpu_wait", "done", "idle_before", "last_ready", "lender",
-                 "lends_end", "marks", "opened", "released", "step")
+                 "lends_end", "marks", "opened", "prev_opened", "released", "step")
 
     def __init__(self, start: Any, opened: float, lender: _StepRecord | None = None) -> None:
         self.step: int | None = None     # None: nobody began it (it opened where the last ended)
         self.opened = opened             # host clock at ``start``
+        self.prev_opened = opened        # the previous step's ``opened`` (set at the close)
         self.marks: list[tuple[int, Any]] = [(UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
@@ -140,6 +141,7 @@ class StepTimer:
         self._cpu_wait_read: tuple[int, float] | None = None  # (step, reading) at the last
                                                               # close read
         self._closed_at: float | None = None   # host clock when the last step closed
+        self._last_opened = self._record.opened    # ``opened`` of the last step closed
 
     @classmethod
     def measuring_cpu_wait(cls, *, node_waits: Any = None, **kwargs: Any) -> StepTimer:
@@ -194,6 +196,7 @@ class StepTimer:
         record = self._record
         record.step = step
         record.marks.append((UNTIMED, end))
+        record.prev_opened, self._last_opened = self._last_opened, record.opened
         self.read_cpu_wait(record)
         self._closed_at = end if not self._cuda else self._clock()
         self._record = _StepRecord(end, self._closed_at, record if self._cuda else None)
@@ -233,6 +236,7 @@ class StepTimer:
         record = self._record
         record.step = step
         record.marks.append((UNTIMED, end))
+        record.prev_opened, self._last_opened = self._last_opened, record.opened
         self._closed_at = end
         self._record = _StepRecord(end, end)
         if self._node_waits is not None:     # every step's work, for the node's other ranks
@@ -297,7 +301,8 @@ class StepTimer:
         if self._node_waits is not None:
             if elapsed is not None:
                 self._node_waits.publish_work(record.step, total_s - comm_wait_s)
-            peer_wait_s, peer_work_s = self._node_waits.peers_at(record.step, record.opened)
+            peer_wait_s, peer_work_s = self._node_waits.peers_at(record.step, record.opened,
+                                                                 record.prev_opened)
         return StepStats(record.step, total_s, data_s, forward_s, backward_s,  # positional:
                          comm_wait_s, optimizer_s, memory_frac, self.world_rank,  # per step
                          record.cpu_wait, peer_wait_s, record.idle_before, peer_work_s)
