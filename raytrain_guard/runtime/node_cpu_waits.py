@@ -61,6 +61,7 @@ class NodeCpuWaits:
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self._others = [r for r in range(local_world_size) if r != local_rank]
+        self._base = self._offset(local_rank, 0)      # this rank's ring
         size = _ENTRY.size * RING_STEPS * local_world_size
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -87,14 +88,16 @@ class NodeCpuWaits:
                         folder, exc_info=True)
             return None
 
-    def publish(self, step: int, wait_s: float, work_s: float = math.nan) -> None:
+    def publish(self, step: int, wait_s: float, work_s: float = math.nan,
+                at_s: float | None = None) -> None:
         """This rank waited ``wait_s`` for a CPU in ``step`` and worked ``work_s`` in it (its
         time less its communication wait), at the step's close; NaN: not known (the wait not
-        read for that step; the work known once CUDA events complete, :meth:`publish_work`)."""
+        read for that step; the work known once CUDA events complete, :meth:`publish_work`).
+        ``at_s``: now on this board's clock, where the caller read it already."""
         board = self._map
         if board is not None:
-            _ENTRY.pack_into(board, self._offset(self.local_rank, step), step, wait_s, work_s,
-                             self._clock())
+            _ENTRY.pack_into(board, self._base + _ENTRY.size * (step % RING_STEPS), step,
+                             wait_s, work_s, self._clock() if at_s is None else at_s)
 
     def publish_work(self, step: int, work_s: float) -> None:
         """This rank's work in ``step``, known after its close (CUDA events), into the entry

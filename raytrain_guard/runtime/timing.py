@@ -34,13 +34,14 @@ UNTIMED = -1
 class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
-    __slots__ = ("collectives", "cpu_wait", "done", "idle_before", "last_ready", "lender",
-                 "lends_end", "marks", "opened", "prev_opened", "released", "step")
+    __slots__ = ("collectives", "cpu_wait", "done", "idle_before", "judged", "last_ready",
+                 "lender", "lends_end", "marks", "opened", "prev_opened", "released", "step")
 
     def __init__(self, start: Any, opened: float, lender: _StepRecord | None = None) -> None:
         self.step: int | None = None     # None: nobody began it (it opened where the last ended)
         self.opened = opened             # host clock at ``start``
         self.prev_opened = opened        # the previous step's ``opened`` (set at the close)
+        self.judged = False              # read_cpu_wait asked for it: the gate may judge it
         self.marks: list[tuple[int, Any]] = [(UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
@@ -239,9 +240,10 @@ class StepTimer:
         record.prev_opened, self._last_opened = self._last_opened, record.opened
         self._closed_at = end
         self._record = _StepRecord(end, end)
+        total_s = end - record.marks[0][1]
         if self._node_waits is not None:     # every step's work, for the node's other ranks
-            self._node_waits.publish(step, math.nan, _host_work_s(record))
-        return record, end - record.marks[0][1]
+            self._node_waits.publish(step, math.nan, _host_work_s(record), end)
+        return record, total_s
 
     def stats_of(self, record: _StepRecord, memory_frac: float | None) -> StepStats:
         """The StepStats of a record that :meth:`close_step` returned."""
@@ -253,6 +255,7 @@ class StepTimer:
         :meth:`finish_step` reads every step; after :meth:`close_step` StepGuard reads only
         the steps over the gate's quiet bound: one system call each (10-45 us on a cold
         cache), none on a quiet step, and a slow run's steps after its first one by one."""
+        record.judged = True
         now = self._cpu_wait() if self._cpu_wait is not None else None
         if now is None:
             return
@@ -298,7 +301,8 @@ class StepTimer:
         total_s, data_s, forward_s, backward_s, optimizer_s, comm_wait_s = \
             self._figures(record, elapsed)
         peer_wait_s = peer_work_s = None
-        if self._node_waits is not None:
+        if self._node_waits is not None and record.judged:
+            # a step under the gate's quiet bound (not judged) needs no peer figures
             if elapsed is not None:
                 self._node_waits.publish_work(record.step, total_s - comm_wait_s)
             peer_wait_s, peer_work_s = self._node_waits.peers_at(record.step, record.opened,
