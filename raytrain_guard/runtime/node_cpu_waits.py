@@ -4,10 +4,11 @@ Under synchronous training a rank that the host starves of CPU (``cpu_wait_s``),
 slow, makes every other rank wait for it in the collective: there it shows as communication
 wait, which the waiting rank alone cannot tell from a slow link. Each rank writes each step's
 figures into its ring of recent steps in one file per node and group, mapped into memory (32
-bytes at the step's close, no system call): its own work (its time less its communication
-wait) at every close, its wait for a CPU where read (steps over the gate's quiet bound). The
-others' entries for a step are read when that step's figures are built (with the gate's
-batch, off the per-step path). A step slow in communication while another rank of this node
+bytes at the step's close, no system call): its wait for a CPU and its own work (its time
+less its communication wait), for the steps whose wait it reads (on host timers, those over
+the gate's quiet bound: a close of every step cost 10-20 us more on a cold cache). The others'
+entries for a step are read when this rank's gate may judge it (with the gate's batch, off
+the per-step path). A step slow in communication while another rank of this node
 waited for a CPU is the host's contention too (``StepStats.peer_cpu_wait_s``, the host-wait
 rule); while another worked longer by as much, it waited for that rank, which its own gate
 judges (``StepStats.peer_work_s``, the peer-work rule), not for the link. Ranks on other
@@ -88,16 +89,14 @@ class NodeCpuWaits:
                         folder, exc_info=True)
             return None
 
-    def publish(self, step: int, wait_s: float, work_s: float = math.nan,
-                at_s: float | None = None) -> None:
+    def publish(self, step: int, wait_s: float, work_s: float = math.nan) -> None:
         """This rank waited ``wait_s`` for a CPU in ``step`` and worked ``work_s`` in it (its
         time less its communication wait), at the step's close; NaN: not known (the wait not
-        read for that step; the work known once CUDA events complete, :meth:`publish_work`).
-        ``at_s``: now on this board's clock, where the caller read it already."""
+        read for that step; the work known once CUDA events complete, :meth:`publish_work`)."""
         board = self._map
         if board is not None:
             _ENTRY.pack_into(board, self._base + _ENTRY.size * (step % RING_STEPS), step,
-                             wait_s, work_s, self._clock() if at_s is None else at_s)
+                             wait_s, work_s, self._clock())
 
     def publish_work(self, step: int, work_s: float) -> None:
         """This rank's work in ``step``, known after its close (CUDA events), into the entry

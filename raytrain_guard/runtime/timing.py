@@ -240,10 +240,7 @@ class StepTimer:
         record.prev_opened, self._last_opened = self._last_opened, record.opened
         self._closed_at = end
         self._record = _StepRecord(end, end)
-        total_s = end - record.marks[0][1]
-        if self._node_waits is not None:     # every step's work, for the node's other ranks
-            self._node_waits.publish(step, math.nan, _host_work_s(record), end)
-        return record, total_s
+        return record, end - record.marks[0][1]
 
     def stats_of(self, record: _StepRecord, memory_frac: float | None) -> StepStats:
         """The StepStats of a record that :meth:`close_step` returned."""
@@ -254,21 +251,22 @@ class StepTimer:
         the previous close, known when that close was read too (steps count one by one).
         :meth:`finish_step` reads every step; after :meth:`close_step` StepGuard reads only
         the steps over the gate's quiet bound: one system call each (10-45 us on a cold
-        cache), none on a quiet step, and a slow run's steps after its first one by one."""
+        cache), none on a quiet step, and a slow run's steps after its first one by one. The
+        step may be judged: its StepStats carry the other local ranks' figures, and with a node
+        board its own wait (NaN: unknown) and work are written there for them."""
         record.judged = True
         now = self._cpu_wait() if self._cpu_wait is not None else None
-        if now is None:
-            return
-        last = self._cpu_wait_read
-        if last is not None and last[0] == record.step - 1:
-            record.cpu_wait = now - last[1]
-            if self._node_waits is not None:
-                # host stamps: the step's work is known now; CUDA events: once they complete
-                # (_stats publishes it then)
-                self._node_waits.publish(record.step, record.cpu_wait,
-                                         _host_work_s(record) if self._events is None
-                                         else math.nan)
-        self._cpu_wait_read = (record.step, now)
+        if now is not None:
+            last = self._cpu_wait_read
+            if last is not None and last[0] == record.step - 1:
+                record.cpu_wait = now - last[1]
+            self._cpu_wait_read = (record.step, now)
+        if self._node_waits is not None:
+            # host stamps: the step's work is known now; CUDA events: once they complete
+            # (_stats publishes it then)
+            self._node_waits.publish(record.step,
+                                     math.nan if record.cpu_wait is None else record.cpu_wait,
+                                     _host_work_s(record) if self._events is None else math.nan)
 
     # -- called by the communication hook (autograd and communication threads) ---------------
     def record_bucket_ready(self, is_last: bool) -> None:
