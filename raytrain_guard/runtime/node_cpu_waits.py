@@ -37,7 +37,8 @@ __all__ = ["NodeCpuWaits"]
 
 _ENTRY = struct.Struct("<dddd")   # (step, seconds waited for a CPU in it, seconds of own
                                   # work in it (NaN: not known yet), when written)
-_WORK = struct.Struct("<d")
+_WORK = struct.Struct("<d")       # the work alone, at byte _WORK_AT of an entry
+_WORK_AT = 16
 _NAME = "raytrain_guard-cpuwait-v3"
 """The board files' name; the version names the entry layout, so a file an earlier layout left
 behind (a rank killed before its close) is never read as this one."""
@@ -62,7 +63,6 @@ class NodeCpuWaits:
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self._others = [r for r in range(local_world_size) if r != local_rank]
-        self._base = self._offset(local_rank, 0)      # this rank's ring
         size = _ENTRY.size * RING_STEPS * local_world_size
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -95,8 +95,8 @@ class NodeCpuWaits:
         read for that step; the work known once CUDA events complete, :meth:`publish_work`)."""
         board = self._map
         if board is not None:
-            _ENTRY.pack_into(board, self._base + _ENTRY.size * (step % RING_STEPS), step,
-                             wait_s, work_s, self._clock())
+            _ENTRY.pack_into(board, self._offset(self.local_rank, step), step, wait_s, work_s,
+                             self._clock())
 
     def publish_work(self, step: int, work_s: float) -> None:
         """This rank's work in ``step``, known after its close (CUDA events), into the entry
@@ -106,7 +106,7 @@ class NodeCpuWaits:
             return
         offset = self._offset(self.local_rank, step)
         if _ENTRY.unpack_from(board, offset)[0] == step:
-            _WORK.pack_into(board, offset + 16, work_s)
+            _WORK.pack_into(board, offset + _WORK_AT, work_s)
 
     def peers_at(self, step: int, since_s: float = float("-inf"),
                  prev_since_s: float | None = None) -> tuple[float | None, float | None]:
@@ -128,20 +128,22 @@ class NodeCpuWaits:
             return None, None
         most_wait = most_work = None
         for rank in self._others:
-            at, wait_s, work_s, written_s = _ENTRY.unpack_from(board, self._offset(rank, step))
-            if (at != step or written_s < since_s) and prev_since_s is not None:
-                at, wait_s, work_s, written_s = _ENTRY.unpack_from(
-                    board, self._offset(rank, step - 1))
-                at, since = at + 1, prev_since_s
-            else:
-                since = since_s
-            if at != step or written_s < since:
+            entry = self._entry(rank, step, since_s)
+            if entry is None and prev_since_s is not None:
+                entry = self._entry(rank, step - 1, prev_since_s)
+            if entry is None:
                 continue
+            wait_s, work_s = entry
             if not math.isnan(wait_s) and (most_wait is None or wait_s > most_wait):
                 most_wait = wait_s
             if not math.isnan(work_s) and (most_work is None or work_s > most_work):
                 most_work = work_s
         return most_wait, most_work
+
+    def _entry(self, rank: int, step: int, since_s: float) -> tuple[float, float] | None:
+        """(wait, work) of ``rank``'s entry for ``step`` written at ``since_s`` or later."""
+        at, wait_s, work_s, written_s = _ENTRY.unpack_from(self._map, self._offset(rank, step))
+        return (wait_s, work_s) if at == step and written_s >= since_s else None
 
     @staticmethod
     def _offset(rank: int, step: int) -> int:
