@@ -264,9 +264,13 @@ class StepTimer:
         if self._node_waits is not None:
             # host stamps: the step's work is known now; CUDA events: once they complete
             # (_stats publishes it then)
+            work_s = math.nan
+            if self._events is None:
+                total_s, *_, comm_wait_s = self._figures(record, None)
+                work_s = total_s - comm_wait_s
             self._node_waits.publish(record.step,
                                      math.nan if record.cpu_wait is None else record.cpu_wait,
-                                     _host_work_s(record) if self._events is None else math.nan)
+                                     work_s)
 
     # -- called by the communication hook (autograd and communication threads) ---------------
     def record_bucket_ready(self, is_last: bool) -> None:
@@ -336,18 +340,6 @@ class StepTimer:
                 comm_wait_s = max(0.0, max(elapsed(record.last_ready, d) for d in record.done))
         return (total_s, sums[0], sums[1], max(0.0, sums[2] - comm_wait_s), sums[3],
                 comm_wait_s + blocked_s)
-
-
-def _host_work_s(record: _StepRecord) -> float:
-    """Host stamps, a closed record: the step's own work, the figure its node peers read
-    (``StepStats.peer_work_s``): its time less its communication wait and the collectives it
-    blocked in (``total_s - comm_wait_s``, without building the StepStats)."""
-    work_s = record.marks[-1][1] - record.marks[0][1]
-    if record.last_ready is not None and record.done:
-        work_s -= max(0.0, max(record.done) - record.last_ready)
-    for start, end in record.collectives:
-        work_s -= end - start
-    return work_s
 
 
 def _blocked_by_phase(marks: list[tuple[int, Any]], collectives: list[tuple[float, float]],
