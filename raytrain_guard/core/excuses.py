@@ -31,7 +31,29 @@ from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Cause
 from raytrain_guard.core.steps import StepStats
 
-__all__ = ["Excuse", "SlowStepExcuses"]
+__all__ = ["Excuse", "SlowStepExcuses", "cpu_waited_s", "usual_cpu_waits"]
+
+_WAITS = ("cpu_wait_s", "peer_cpu_wait_s")
+
+
+def usual_cpu_waits(window: Sequence[StepStats]) -> dict[str, float]:
+    """This thread's and the node peer's usual wait for a CPU: each one's median over the
+    window's steps that carry it (0 where none does)."""
+    return {name: statistics.median([w for s in window if (w := getattr(s, name)) is not None]
+                                    or [0.0]) for name in _WAITS}
+
+
+def cpu_waited_s(stats: StepStats, usual: dict[str, float], with_peer: bool) -> float:
+    """How much longer than usual (:func:`usual_cpu_waits`) the step's thread waited for a
+    CPU, with the node peer's wait added when ``with_peer`` (a step slow in communication:
+    this rank waited for that one in the collective, after its own work was late by its own
+    wait)."""
+    waited_s = 0.0
+    for name in _WAITS if with_peer else _WAITS[:1]:
+        wait_s = getattr(stats, name)
+        if wait_s is not None:
+            waited_s += max(0.0, wait_s - usual[name])
+    return waited_s
 
 
 class Excuse(str, enum.Enum):
@@ -88,21 +110,12 @@ class SlowStepExcuses:
 
     def _host_starved(self, stats: StepStats, cause: Cause | None,
                       window: Sequence[StepStats], median_s: float) -> bool:
-        """Whether this thread's wait for a CPU over its median in the window, with the node
-        peer's for a step slow in communication (this rank waited for that one in the
-        collective, after its own work was late by its own wait), reaches the line."""
+        """Whether the step waited for a CPU longer than usual (:func:`cpu_waited_s`, the node
+        peer's wait added for a step slow in communication) by the line."""
         frac = self.config.slow_step_host_wait_frac
         if frac <= 0:
             return False
-        fields = ("cpu_wait_s", "peer_cpu_wait_s") if cause is Cause.COMMUNICATION \
-            else ("cpu_wait_s",)
-        waited_s = 0.0
-        for name in fields:
-            wait_s = getattr(stats, name)
-            if wait_s is not None:
-                usual_s = statistics.median([w for s in window
-                                             if (w := getattr(s, name)) is not None] or [0.0])
-                waited_s += max(0.0, wait_s - usual_s)
+        waited_s = cpu_waited_s(stats, usual_cpu_waits(window), cause is Cause.COMMUNICATION)
         return waited_s >= self._line_s(frac, stats, median_s)
 
     def _waited_for_peer(self, stats: StepStats, median_s: float) -> bool:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from raytrain_guard.core.decisions import Cause
+from raytrain_guard.core.excuses import cpu_waited_s, usual_cpu_waits
 from raytrain_guard.core.stats import nearest_rank, robust_sigma
 from raytrain_guard.core.steps import StepStats
 
@@ -256,16 +257,12 @@ def _host_explained(stats: Sequence[StepStats], excess: Sequence[float],
                     settle_factor: float, with_peer: bool) -> list[bool]:
     """Per step of ``stats`` (consecutive, with their ``excess`` in one component), whether the
     host's contention explains it: the step gate's host-wait rule and its aftermath
-    (``StepGate._host_starved``), here over one rank's steps as the coordinator has them."""
-    fields = ("cpu_wait_s", "peer_cpu_wait_s") if with_peer else ("cpu_wait_s",)
-    usual = {name: statistics.median([w for s in window if (w := getattr(s, name)) is not None]
-                                     or [0.0]) for name in fields}
+    (``core.excuses``), here over one rank's steps as the coordinator has them."""
+    usual = usual_cpu_waits(window)
     out = []
     until, starved_total_s = -1, 0.0
     for i, (s, e) in enumerate(zip(stats, excess)):
-        waited_s = sum(max(0.0, w - usual[name]) for name in fields
-                       if (w := getattr(s, name)) is not None)
-        if e > 0 and waited_s >= frac * e:
+        if e > 0 and cpu_waited_s(s, usual, with_peer) >= frac * e:
             until, starved_total_s = i + settle_steps, s.total_s
             out.append(True)
         else:
