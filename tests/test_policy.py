@@ -203,7 +203,9 @@ def test_host_pressure_lowers_prefetch_on_that_node(prefetch, expected, note):
 
 def _straggler_view(gpus=(), slow=(3,), nodes=("n0", "n0", "n1", "n1"), workers=(), **slow_kw):
     slow_kw = slow_kw or dict(compute=0.9, comm=0.05)
-    ranks = {r: rank(r, n, **(slow_kw if r in slow else {})) for r, n in enumerate(nodes)}
+    # 20 steps, 21-40: the slow ranks are slow at each of the straggler_steps (20)
+    ranks = {r: rank(r, n, first=21, n=20, **(slow_kw if r in slow else {}))
+             for r, n in enumerate(nodes)}
     host = HostSample(100 * GiB, 50 * GiB, workers=tuple(workers))
     samples = {n: NodeSample(n, 1, "e", 0.0, host, tuple(gpus) if n == nodes[-1] else ())
                for n in set(nodes)}
@@ -212,8 +214,9 @@ def _straggler_view(gpus=(), slow=(3,), nodes=("n0", "n0", "n1", "n1"), workers=
 
 STRAGGLER_SCOPE_CASES = [
     # name, view arguments, expected (scope, target, world_ranks, cause, recommendation)
-    # Windows: 10 steps of 1.0 s; a slow rank computes 0.9 s against the reference 0.5 s at
-    # each of the last 3 steps: +0.4 s >= max(0.1 x 1.0 s, floor 2 ms, 3.5 x 1.41 x MAD 0).
+    # Windows: 20 steps of 1.0 s; a slow rank computes 0.9 s against the reference 0.5 s at
+    # each of them (straggler_steps 20): +0.4 s >= max(0.1 x 1.0 s, floor 2 ms, 3.5 x 1.41 x
+    # MAD 0).
     # Rank 3 slow, rank 2 (same node) not: the rank, and its GPU, not the node.
     ("one rank of a node", {}, ("node:n1", "rank", [3], Cause.COMPUTE, "check_gpu")),
     # Ranks 2 and 3 (all of n1) slow: the node; drain it (another node carries on).
@@ -254,7 +257,7 @@ def test_straggler_rank_reason_names_its_gpu_and_a_short_node_id():
     (d,) = out.decisions
     assert d.params["gpu_index"] == 1 and d.params["node_id"] == node_id
     assert d.reason.startswith("rank 3 (GPU 1, node a1b2c3d4...) is a straggler (compute): "
-                               "compute 900.0 ms vs 500.0 ms at steps 38-40, at least +400.0 ms "
+                               "compute 900.0 ms vs 500.0 ms at steps 21-40, at least +400.0 ms "
                                "a step each (threshold 100.0 ms, median step 1000.0 ms); "
                                "recommend: check the clocks and throttle reasons of GPU 1 of "
                                "node a1b2c3d4...")

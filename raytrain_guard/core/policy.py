@@ -561,10 +561,11 @@ def _stragglers(view, state, config, at, scores, decisions) -> PolicyState:
     and never for the only node of the cluster."""
     slow = persistent_slowdowns({r: v.window for r, v in view.ranks.items()},
                                 {r: v.timing for r, v in view.ranks.items()},
-                                num_steps=config.num_slow_steps,
+                                num_steps=config.straggler_steps,
                                 straggler_frac=config.straggler_frac,
                                 floor_s=config.slow_step_floor_s, mad_k=config.slow_step_mad_k,
-                                scan_steps=config.report_every_steps,
+                                scan_steps=max(config.report_every_steps,
+                                               config.straggler_steps),
                                 host_wait_frac=config.slow_step_host_wait_frac,
                                 host_settle_steps=config.slow_step_host_settle_steps,
                                 host_settle_factor=config.slow_step_factor)
@@ -620,9 +621,12 @@ def _flag(view, config, at, node_id, ranks, worst, target, num_nodes) -> Decisio
         key, text = "check_node", ("check node {node}: it is the only node of the run, so "
                                    "draining it would stop training")
     text = text.format(gpu=gpu, node=short, rank=worst.world_rank)
+    over = worst.num_over or len(worst.steps)
+    each = "a step each" if over == len(worst.steps) else \
+        f"at {over} of those {len(worst.steps)} steps"
     figures = (f"{worst.component_s * 1e3:.1f} ms vs {worst.reference_s * 1e3:.1f} ms at "
                f"steps {worst.steps[0]}-{worst.steps[-1]}, at least "
-               f"+{worst.excess_s * 1e3:.1f} ms a step each (threshold "
+               f"+{worst.excess_s * 1e3:.1f} ms {each} (threshold "
                f"{worst.threshold_s * 1e3:.1f} ms, median step {worst.step_s * 1e3:.1f} ms)")
     if target == "node" and len(ranks) == 1:
         on = f", GPU {gpu_index}" if gpu_index is not None else ""

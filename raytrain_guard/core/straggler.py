@@ -143,13 +143,21 @@ _COMPONENTS = (("data", Cause.DATA, lambda s: s.data_wait_s, "data_sigma_s"),
                ("communication", Cause.COMMUNICATION, lambda s: s.comm_wait_s, "comm_sigma_s"))
 
 
+MISS_SHARE = 0.1
+"""Share of a run of slow steps that may miss the threshold (rounded down): 2 of the
+coordinator's 20 straggler steps. In a 4-rank series with outliers on 3 % of every rank's
+steps, another rank's outlier shortens a slow link's excess below the line at one step in a
+few dozen, and broke a strict run of 20 in 2 of 15 seeded cases (tests/test_noise.py)."""
+
+
 @dataclass(frozen=True)
 class Slowdown:
-    """A rank slower than the reference rank at each of the last ``steps`` common steps.
+    """A rank slower than the reference rank at the last ``steps`` common steps, all but at
+    most ``MISS_SHARE`` of them (``num_over`` cleared the threshold).
 
     ``excess_s`` is the smallest excess of the slow component over the per-step reference
-    (the lower median across ranks at the same step) over those steps: persistence, since
-    every one of them exceeds it. ``threshold_s`` is what it had to clear: the largest of
+    (the lower median across ranks at the same step) over the steps that cleared it:
+    persistence, since each of them exceeds it. ``threshold_s`` is what it had to clear: the largest of
     ``straggler_frac`` x the median step, the absolute floor, and ``mad_k`` x sqrt(2) x the
     typical rank's robust spread of that component (an excess is the difference of two noisy
     figures).
@@ -163,6 +171,7 @@ class Slowdown:
     reference_s: float          # the reference's median over those steps
     step_s: float
     steps: tuple[int, ...]
+    num_over: int = 0           # steps of ``steps`` over the threshold; 0: all of them
 
     @property
     def excess_frac(self) -> float:
@@ -173,7 +182,7 @@ class Slowdown:
                 "excess_s": round(self.excess_s, 6), "threshold_s": round(self.threshold_s, 6),
                 "component_s": round(self.component_s, 6),
                 "reference_s": round(self.reference_s, 6), "step_s": round(self.step_s, 6),
-                "steps": list(self.steps)}
+                "steps": list(self.steps), "num_over": self.num_over or len(self.steps)}
 
 
 def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
@@ -230,25 +239,28 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
             break     # communication waits are the symptom of the stragglers found
         sigma = statistics.median_low([getattr(summaries[r], sigma_field) for r in ranks])
         threshold = max(straggler_frac * step_s, floor_s, mad_k * math.sqrt(2) * sigma)
-        refs = [statistics.median_low([get(aligned[r][st]) for r in ranks]) for st in steps]
-        for r in ranks:
-            values = [get(aligned[r][st]) for st in steps]
+        by_rank = {r: [get(aligned[r][st]) for st in steps] for r in ranks}
+        refs = [statistics.median_low(at_step) for at_step in zip(*by_rank.values())]
+        for r, values in by_rank.items():
             excess = [v - ref for v, ref in zip(values, refs)]
-            if host_wait_frac > 0:
+            run = _latest_run(excess, threshold, num_steps)
+            if run is not None and host_wait_frac > 0:
+                # only a run can be excused (most ranks have none: 1,024 ranks, one round)
                 explained = _host_explained(
                     [aligned[r][st] for st in steps], excess, windows[r], host_wait_frac,
                     host_settle_steps, host_settle_factor, cause is Cause.COMMUNICATION)
                 excess = [0.0 if e else x for x, e in zip(excess, explained)]
-            run = _latest_run(excess, threshold, num_steps)
+                run = _latest_run(excess, threshold, num_steps)
             if run is None:
                 continue
-            excess = min(v - ref for v, ref in zip(values[run], refs[run]))
-            if r not in found_slow or (excess / threshold > found_slow[r].excess_s
+            over = [v - ref for v, ref, e in zip(values[run], refs[run], excess[run])
+                    if e >= threshold]
+            if r not in found_slow or (min(over) / threshold > found_slow[r].excess_s
                                        / found_slow[r].threshold_s):
-                found_slow[r] = Slowdown(r, cause, excess, threshold,
+                found_slow[r] = Slowdown(r, cause, min(over), threshold,
                                          statistics.median(values[run]),
                                          statistics.median(refs[run]), step_s,
-                                         tuple(steps[run]))
+                                         tuple(steps[run]), len(over))
     return found_slow
 
 
@@ -271,12 +283,21 @@ def _host_explained(stats: Sequence[StepStats], excess: Sequence[float],
 
 
 def _latest_run(excess: Sequence[float], threshold: float, num_steps: int) -> slice | None:
-    """The last ``num_steps`` positions of the latest run of at least ``num_steps``
-    consecutive excesses at or over ``threshold``; None when there is no such run."""
-    run = 0
+    """The latest ``num_steps`` consecutive positions that begin and end with an excess at or
+    over ``threshold`` and miss it at no more than ``MISS_SHARE`` of them (rounded down: none
+    of 3, 2 of 20); None when there is no such run.
+
+    Example (threshold 1, 10 steps, 1 may miss): excess [2, 2, 0, 2, 2, 2, 2, 2, 2, 2, 0]
+    -> positions 0-9 (one miss, at 2); positions 1-10 begin and end under the line."""
+    allowed = int(num_steps * MISS_SHARE)
+    over = [e >= threshold for e in excess]
+    misses = 0
     best = None
-    for i, e in enumerate(excess):
-        run = run + 1 if e >= threshold else 0
-        if run >= num_steps:
-            best = slice(i + 1 - num_steps, i + 1)
+    for i, hit in enumerate(over):
+        misses += not hit
+        if i >= num_steps:
+            misses -= not over[i - num_steps]
+        first = i + 1 - num_steps
+        if first >= 0 and misses <= allowed and hit and over[first]:
+            best = slice(first, i + 1)
     return best
