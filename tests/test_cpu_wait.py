@@ -7,6 +7,8 @@ import contextlib
 import math
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -14,7 +16,12 @@ import pytest
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action
 from raytrain_guard.runtime.cpu_wait import ThreadCpuWait
-from raytrain_guard.runtime.node_cpu_waits import RING_STEPS, NodeCpuWaits
+from raytrain_guard.runtime.node_cpu_waits import (
+    RING_STEPS,
+    SWEEP_MIN_AGE_S,
+    NodeCpuWaits,
+    sweep_stale_boards,
+)
 from raytrain_guard.runtime.step_guard import StepGuard
 from raytrain_guard.runtime.timing import StepTimer
 
@@ -290,3 +297,45 @@ def test_another_rank_starved_of_cpu_shows_on_the_board(tmp_path):
         rank.join(10)
         board.close()
     assert waited > 0.1
+
+
+def test_boards_that_no_process_holds_are_swept_by_the_next_local_rank_0(tmp_path):
+    # a rank killed before its close leaves its board in /dev/shm; the boards of live groups
+    # (held: a shared lock per open board) and files just created stay
+    folder, old = str(tmp_path), time.time() - 2 * SWEEP_MIN_AGE_S
+    live = NodeCpuWaits(os.path.join(folder, "raytrain_guard-cpuwait-v4-a-1"), 1, 2)
+    left = NodeCpuWaits(os.path.join(folder, "raytrain_guard-cpuwait-v4-b-2"), 1, 2)
+    left.close()                              # local rank 1: closes without removing
+    # v3: an earlier version's board, which its ranks do not lock: never swept
+    for name in ("raytrain_guard-cpuwait-v3-c-3", "raytrain_guard-cpuwait-v4-d-4", "other"):
+        with open(os.path.join(folder, name), "wb") as fh:
+            fh.write(b"\0" * 64)
+    for name in os.listdir(folder):
+        if not name.endswith("d-4"):          # d-4: created just now, maybe being opened
+            os.utime(os.path.join(folder, name), (old, old))
+    assert sweep_stale_boards(folder, keep="raytrain_guard-cpuwait-v4-a-1") == 1
+    assert sorted(os.listdir(folder)) == ["other", "raytrain_guard-cpuwait-v3-c-3",
+                                          "raytrain_guard-cpuwait-v4-a-1",
+                                          "raytrain_guard-cpuwait-v4-d-4"]
+    assert sweep_stale_boards(folder, keep="mine") == 0      # held by ``live``
+    live.close()
+
+
+def test_a_killed_ranks_board_is_swept_and_a_live_ones_is_not(tmp_path):
+    path = str(tmp_path / "raytrain_guard-cpuwait-v4-x-9")
+    code = ("import sys, time; from raytrain_guard.runtime.node_cpu_waits import NodeCpuWaits; "
+            "b = NodeCpuWaits(sys.argv[1], 1, 2); print('open', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        old = time.time() - 2 * SWEEP_MIN_AGE_S
+        os.utime(path, (old, old))
+        assert sweep_stale_boards(str(tmp_path), keep="mine") == 0   # its rank is alive
+        proc.kill()
+        proc.wait(timeout=30)
+        assert sweep_stale_boards(str(tmp_path), keep="mine") == 1
+        assert not os.path.exists(path)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

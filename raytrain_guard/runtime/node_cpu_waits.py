@@ -17,10 +17,15 @@ nodes are not seen: their contention and their slowness still show here as commu
 The file lives in ``/dev/shm`` (memory; the temp folder where there is none), named after the
 group's rendezvous address (``MASTER_ADDR``/``MASTER_PORT``, the same on every rank of a group,
 different for groups alive at the same time) and removed by local rank 0 at :meth:`close`.
+Every rank holds a shared lock on it while it is open, so a file that no process holds is a
+board whose ranks were killed before their close: local rank 0 removes such files when it
+opens its board (:func:`sweep_stale_boards`).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import math
 import mmap
@@ -33,15 +38,20 @@ from collections.abc import Callable, Mapping
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NodeCpuWaits"]
+__all__ = ["NodeCpuWaits", "sweep_stale_boards"]
 
 _ENTRY = struct.Struct("<dddd")   # (step, seconds waited for a CPU in it, seconds of own
                                   # work in it (NaN: not known yet), when written)
 _WORK = struct.Struct("<d")       # the work alone, at byte _WORK_AT of an entry
 _WORK_AT = 16
-_NAME = "raytrain_guard-cpuwait-v3"
-"""The board files' name; the version names the entry layout, so a file an earlier layout left
-behind (a rank killed before its close) is never read as this one."""
+_NAME = "raytrain_guard-cpuwait-v4"
+"""The board files' name; the version names the entry layout and the locking, so a file an
+earlier version left behind (a rank killed before its close) is never read as this one, and a
+board of an earlier version, which its ranks do not lock, is never swept as a stale one."""
+SWEEP_MIN_AGE_S = 60.0
+"""A board file is removed by the sweep only when it was created (or resized) this long ago
+and no process holds its lock: a board being opened takes its lock within microseconds of its
+creation."""
 RING_STEPS = 64
 """Steps each rank keeps on the board: more than a gate batch (``gate_batch_steps``), so the
 entries of the steps a batch judges are still there."""
@@ -66,11 +76,14 @@ class NodeCpuWaits:
         size = _ENTRY.size * RING_STEPS * local_world_size
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)        # held while open: the board is alive
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)
             self._map: mmap.mmap | None = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)                          # the mapping keeps the file
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
 
     @classmethod
     def for_group(cls, local_rank: int, local_world_size: int,
@@ -82,6 +95,8 @@ class NodeCpuWaits:
             return None
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{_NAME}-{addr}-{port}")
+        if local_rank == 0:
+            sweep_stale_boards(folder, keep=name)
         try:
             return cls(os.path.join(folder, name), local_rank, local_world_size)
         except OSError:
@@ -159,3 +174,37 @@ class NodeCpuWaits:
                 os.unlink(self.path)
             except OSError:
                 pass
+        os.close(self._fd)                        # releases the lock
+
+
+def sweep_stale_boards(folder: str, keep: str, *, min_age_s: float = SWEEP_MIN_AGE_S,
+                       now: Callable[[], float] = time.time) -> int:
+    """Remove the board files of this version in ``folder`` that no process holds and that
+    were created at least ``min_age_s`` ago, except ``keep``; returns how many. Fails open: a
+    file it cannot check or remove stays."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(_NAME + "-") and n != keep]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            if now() - os.fstat(fd).st_mtime < min_age_s:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            removed += 1
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.ENOENT):
+                logger.debug("node CPU waits: %s not swept", path, exc_info=True)
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("node CPU waits: removed %d board(s) in %s that no rank held", removed,
+                    folder)
+    return removed
