@@ -191,10 +191,11 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
                          mad_k: float = 3.5, scan_steps: int | None = None,
                          host_wait_frac: float = 0.0, host_settle_steps: int = 0,
                          host_settle_factor: float = 1.5) -> dict[int, Slowdown]:
-    """The ranks slow in data or compute (or, when none is, communication) at each of
-    ``num_steps`` consecutive steps, among the last ``scan_steps`` steps (default
-    ``num_steps``; the coordinator scans a report batch) that every rank has reported, against
-    the per-step reference. The latest such run counts.
+    """The ranks slow in data or compute (or, when none is, communication) over ``num_steps``
+    consecutive steps (at each of them but ``MISS_SHARE``, rounded down; the first and the last
+    slow), among the last ``scan_steps`` steps (default ``num_steps``; the coordinator scans
+    ``straggler_steps``) that every rank has reported, against the per-step reference. The
+    latest such run counts.
 
     Step by step, not window medians: a slowdown is named ``num_steps`` steps after it starts
     (once reported), and a step the whole group pays (a loaded shared box, a slow batch for
