@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from raytrain_guard.core.decisions import Cause
 from raytrain_guard.core.excuses import cpu_waited_s, usual_cpu_waits
