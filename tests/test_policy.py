@@ -404,3 +404,14 @@ def test_due_at_splits_pending_and_polled_decisions_by_their_step():
     due, waiting = due_at(20, [old, later], [now, polled_later])
     assert due == [old, now] and waiting == [later, polled_later]
     assert due_at(20, [], None) == ([], [])
+
+
+def test_a_straggler_with_steps_under_the_line_says_how_many_cleared_it():
+    v = _straggler_view()
+    slow = v.ranks[3]
+    steps = tuple(StepStats(step=s.step, total_s=s.total_s, data_wait_s=s.data_wait_s,
+                            forward_s=0.5 if s.step in (25, 30) else s.forward_s,
+                            comm_wait_s=s.comm_wait_s, world_rank=3) for s in slow.window)
+    v = view({**v.ranks, 3: RankView(3, slow.node_id, steps)}, v.nodes)
+    (d,) = _decide(v).decisions
+    assert "at least +400.0 ms at 18 of those 20 steps (threshold 100.0 ms" in d.reason

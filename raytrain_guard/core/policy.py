@@ -621,9 +621,8 @@ def _flag(view, config, at, node_id, ranks, worst, target, num_nodes) -> Decisio
         key, text = "check_node", ("check node {node}: it is the only node of the run, so "
                                    "draining it would stop training")
     text = text.format(gpu=gpu, node=short, rank=worst.world_rank)
-    over = worst.num_over or len(worst.steps)
-    each = "a step each" if over == len(worst.steps) else \
-        f"at {over} of those {len(worst.steps)} steps"
+    each = "a step each" if worst.num_over == len(worst.steps) else \
+        f"at {worst.num_over} of those {len(worst.steps)} steps"
     figures = (f"{worst.component_s * 1e3:.1f} ms vs {worst.reference_s * 1e3:.1f} ms at "
                f"steps {worst.steps[0]}-{worst.steps[-1]}, at least "
                f"+{worst.excess_s * 1e3:.1f} ms {each} (threshold "

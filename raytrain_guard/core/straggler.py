@@ -157,10 +157,10 @@ class Slowdown:
 
     ``excess_s`` is the smallest excess of the slow component over the per-step reference
     (the lower median across ranks at the same step) over the steps that cleared it:
-    persistence, since each of them exceeds it. ``threshold_s`` is what it had to clear: the largest of
-    ``straggler_frac`` x the median step, the absolute floor, and ``mad_k`` x sqrt(2) x the
-    typical rank's robust spread of that component (an excess is the difference of two noisy
-    figures).
+    persistence, since each of them exceeds it. ``threshold_s`` is what it had to clear: the
+    largest of ``straggler_frac`` x the median step, the absolute floor, and ``mad_k`` x
+    sqrt(2) x the typical rank's robust spread of that component (an excess is the difference
+    of two noisy figures).
     """
 
     world_rank: int
@@ -171,7 +171,7 @@ class Slowdown:
     reference_s: float          # the reference's median over those steps
     step_s: float
     steps: tuple[int, ...]
-    num_over: int = 0           # steps of ``steps`` over the threshold; 0: all of them
+    num_over: int               # how many of ``steps`` cleared the threshold
 
     @property
     def excess_frac(self) -> float:
@@ -182,7 +182,7 @@ class Slowdown:
                 "excess_s": round(self.excess_s, 6), "threshold_s": round(self.threshold_s, 6),
                 "component_s": round(self.component_s, 6),
                 "reference_s": round(self.reference_s, 6), "step_s": round(self.step_s, 6),
-                "steps": list(self.steps), "num_over": self.num_over or len(self.steps)}
+                "steps": list(self.steps), "num_over": self.num_over}
 
 
 def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
