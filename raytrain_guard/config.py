@@ -204,7 +204,7 @@ class GuardConfig:
         "reference rank by its threshold (straggler_frac, slow_step_floor_s, slow_step_mad_k) at "
         "each of this many consecutive steps. Default 20, two report batches at the default "
         "report_every_steps: a straggler stays slow, while the longest such run in 116 clean "
-        "600-step 2-rank arms on a 2-core box was 11 steps (3 gave 20 flags, 10 gave 1, 12 and "
+        "600-step 2-rank arms on a 2-core box was 10 steps (3 gave 20 flags, 10 gave 1, 11 and "
         "more none: benchmarks/gate_replay.py --coordinator). The step gate still names a "
         "slowdown within num_slow_steps on the slow rank itself.", 1)
 
