@@ -55,7 +55,7 @@ class RankView:
     world_rank: int
     node_id: str
     window: tuple[StepStats, ...]
-    setup: RunSetup = RunSetup()
+    setup: RunSetup = field(default_factory=RunSetup)
     timing: TimingSummary = field(init=False, repr=False, compare=False)
     memory: MemoryTrend | None = field(init=False, repr=False, compare=False)
 
@@ -141,8 +141,8 @@ def decide(view: ClusterView, state: PolicyState, config: GuardConfig,
                              min_steps=min(config.straggler_min_steps, config.step_window),
                              noise_frac=config.straggler_frac * STRAGGLER_NOISE_SHARE)
     if state.stop_step is not None:
-        return PolicyOutcome((), state, scores, ("stopping: checkpoint_and_stop already decided "
-                                                 f"for step {state.stop_step}",))
+        why = f"stopping: checkpoint_and_stop already decided for step {state.stop_step}"
+        return PolicyOutcome((), state, scores, (why,))
     latest = view.latest_step
     decisions: list[Decision] = []
     notes: list[str] = []
@@ -541,16 +541,16 @@ def rank_gpu(view: ClusterView, world_rank: int) -> int | None:
 
 _RECOMMEND = {
     # (cause, target) -> (recommendation key, text); {gpu} / {node} / {rank} filled in
-    (Cause.COMPUTE, "rank"): ("check_gpu", "check the clocks and throttle reasons of {gpu} "
-                                           "(nvidia-smi -q -d PERFORMANCE)"),
+    (Cause.COMPUTE, "rank"): ("check_gpu", ("check the clocks and throttle reasons of {gpu} "
+                                            "(nvidia-smi -q -d PERFORMANCE)")),
     (Cause.THERMAL, "rank"): ("check_gpu", "check the cooling and power cap of {gpu}"),
-    (Cause.DATA, "rank"): ("check_input", "check rank {rank}'s input pipeline (loader "
-                                          "workers, storage reads)"),
+    (Cause.DATA, "rank"): ("check_input", ("check rank {rank}'s input pipeline (loader "
+                                           "workers, storage reads)")),
     (Cause.COMMUNICATION, "rank"): ("check_link", "look at the network link of node {node}"),
     (Cause.COMPUTE, "node"): ("drain_node", "drain node {node}"),
     (Cause.THERMAL, "node"): ("drain_node", "drain node {node}"),
-    (Cause.DATA, "node"): ("drain_node", "drain node {node} (its CPUs or storage feed every "
-                                         "rank slowly)"),
+    (Cause.DATA, "node"): ("drain_node", ("drain node {node} (its CPUs or storage feed every "
+                                          "rank slowly)")),
     (Cause.COMMUNICATION, "node"): ("check_link", "look at the network link of node {node}"),
 }
 
