@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Cause
-from raytrain_guard.core.excuses import Excuse, SlowStepExcuses
+from raytrain_guard.core.excuses import Excuse, SlowStepExcuses, usual_cpu_waits
 from raytrain_guard.core.steps import StepStats
 
 # a window of 10 ms steps whose thread waited 1 ms for a CPU each (its usual wait)
@@ -36,3 +36,14 @@ def test_the_worked_example():
         is Excuse.PEER
     assert judge(_step(50, peer_work_s=0.036), Cause.COMMUNICATION, WINDOW, 0.010) is None
     assert (excuses.num_host_starved, excuses.num_waited_for_peer) == (3, 1)
+
+
+def test_the_usual_wait_is_the_lower_quartile_of_the_read_ones():
+    # waits are read on the slower steps only: 3 of 10 steps carry 1 ms, 7 carry 3 ms (median
+    # 3 ms, lower quartile 1 ms). A 30 ms step that waited 12 ms: 11 ms over the usual 1 ms,
+    # over the 10 ms line; over a median of 3 ms it would be 9 ms, under it
+    window = [StepStats(i, 0.010, cpu_wait_s=0.001 if i < 3 else 0.003) for i in range(10)]
+    assert usual_cpu_waits(window) == {"cpu_wait_s": 0.001, "peer_cpu_wait_s": 0.0}
+    excuses = SlowStepExcuses(GuardConfig())
+    assert excuses.judge(_step(10, cpu_wait_s=0.012), Cause.COMPUTE, window, 0.010) \
+        is Excuse.HOST

@@ -205,7 +205,7 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
     With ``host_wait_frac`` > 0, a rank's step whose excess the host's contention explains
     does not count and ends a run, as in the step gate (``slow_step_host_wait_frac``,
     ``slow_step_host_settle_steps``): the rank's wait for a CPU (``cpu_wait_s``, and for
-    communication the node peer's, ``peer_cpu_wait_s``, each over its median in the window)
+    communication the node peer's, ``peer_cpu_wait_s``, each over its usual one in the window)
     at least that fraction of the excess, and the ``host_settle_steps`` steps after such a
     step that are no slower than ``host_settle_factor`` x its time.
 
