@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True, init=False)
@@ -65,5 +66,5 @@ class StepStats:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StepStats":
+    def from_dict(cls, d: Mapping[str, Any]) -> StepStats:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})

@@ -34,14 +34,16 @@ UNTIMED = -1
 class _StepRecord:
     """Stamps of one step: floats on CPU, CUDA events on CUDA."""
 
-    __slots__ = ("collectives", "cpu_wait", "done", "idle_before", "judged", "last_ready",
-                 "lender", "lends_end", "marks", "opened", "prev_opened", "released", "step")
+    __slots__ = ("collectives", "cpu_wait", "done", "figures", "idle_before", "judged",
+                 "last_ready", "lender", "lends_end", "marks", "opened", "prev_opened",
+                 "released", "step")
 
     def __init__(self, start: Any, opened: float, lender: _StepRecord | None = None) -> None:
         self.step: int | None = None     # None: nobody began it (it opened where the last ended)
         self.opened = opened             # host clock at ``start``
         self.prev_opened = opened        # the previous step's ``opened`` (set at the close)
         self.judged = False              # read_cpu_wait asked for it: the gate may judge it
+        self.figures: tuple[float, ...] | None = None  # host stamps: _figures, once computed
         self.marks: list[tuple[int, Any]] = [(UNTIMED, start)]  # (slot of phase ended, stamp)
         self.last_ready: Any = None      # stamp when the last bucket became ready
         self.done: list[Any] = []        # stamps of allreduce completions
@@ -266,7 +268,8 @@ class StepTimer:
             # (_stats publishes it then)
             work_s = math.nan
             if self._events is None:
-                total_s, *_, comm_wait_s = self._figures(record, None)
+                record.figures = self._figures(record, None)   # _stats takes them from here
+                total_s, *_, comm_wait_s = record.figures
                 work_s = total_s - comm_wait_s
             self._node_waits.publish(record.step,
                                      math.nan if record.cpu_wait is None else record.cpu_wait,
@@ -301,7 +304,7 @@ class StepTimer:
                memory_frac: float | None) -> StepStats:
         """The step's StepStats; ``elapsed`` None: float stamps (the CPU fast path)."""
         total_s, data_s, forward_s, backward_s, optimizer_s, comm_wait_s = \
-            self._figures(record, elapsed)
+            record.figures or self._figures(record, elapsed)
         peer_wait_s = peer_work_s = None
         if self._node_waits is not None and record.judged:
             # a step under the gate's quiet bound (not judged) needs no peer figures
