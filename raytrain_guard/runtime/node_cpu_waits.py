@@ -177,8 +177,7 @@ class NodeCpuWaits:
         os.close(self._fd)                        # releases the lock
 
 
-def sweep_stale_boards(folder: str, keep: str, *, min_age_s: float = SWEEP_MIN_AGE_S,
-                       now: Callable[[], float] = time.time) -> int:
+def sweep_stale_boards(folder: str, keep: str, *, min_age_s: float = SWEEP_MIN_AGE_S) -> int:
     """Remove the board files of this version in ``folder`` that no process holds and that
     were created at least ``min_age_s`` ago, except ``keep``; returns how many. Fails open: a
     file it cannot check or remove stays."""
@@ -194,7 +193,7 @@ def sweep_stale_boards(folder: str, keep: str, *, min_age_s: float = SWEEP_MIN_A
         except OSError:
             continue
         try:
-            if now() - os.fstat(fd).st_mtime < min_age_s:
+            if time.time() - os.fstat(fd).st_mtime < min_age_s:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.unlink(path)
