@@ -5,12 +5,22 @@ Each rank runs the test's worker ``fn(rank, *args)`` as a plain call, so the wor
 is collected, and only then is the group destroyed. A rank exiting while such objects outlived
 ``destroy_process_group`` aborted at interpreter exit (SIGABRT, "terminate called without an
 active exception") after its work was done.
+
+A rank that returns leaves by ``os._exit(0)``, after the group is destroyed: it skips the
+interpreter's finalization, where a gloo worker thread still running a ``Future.then`` callback
+(the communication timer's hook stamps each bucket that way) takes the GIL and aborts the
+process the same way. ``destroy_process_group`` joins those threads only when nothing else
+holds the group; a rank that outlives it (a test's global, a wrap PyTorch keeps) aborted at
+random on a loaded machine. A rank that raises still exits through ``mp.spawn``, which writes
+its traceback first.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import socket
+import sys
 from collections.abc import Callable
 
 import torch
@@ -36,6 +46,9 @@ def _rank_main(rank: int, fn: Callable[..., None], world: int, port: int, backen
     finally:
         gc.collect()                  # wraps kept alive by cycles go before their group
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)                       # no finalization for gloo's threads to abort
 
 
 def spawn(fn: Callable[..., None], world: int, *args, backend: str = "gloo") -> None:
