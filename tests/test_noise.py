@@ -52,7 +52,10 @@ FAULTS = [("compute", Cause.COMPUTE), ("data", Cause.DATA), ("comm", Cause.COMMU
 START = 300
 
 
-def gate_events(steps, cfg=GuardConfig()):
+DEFAULTS = GuardConfig()
+
+
+def gate_events(steps, cfg=DEFAULTS):
     gate = StepGate(cfg, clock=lambda: 0.0)
     return [(s.step, d) for s in steps for d in gate.observe(s) if d.action is Action.SLOW_STEP]
 
@@ -113,7 +116,7 @@ def test_a_run_must_stay_in_one_cause():
 
 # -- the coordinator's policy, across ranks ------------------------------------------------------
 
-def _rounds(steps_by_rank, cfg=GuardConfig(), nodes=None, every=10):
+def _rounds(steps_by_rank, cfg=DEFAULTS, nodes=None, every=10):
     """Feed the policy as the coordinator does: a round after each report batch of ``every``
     steps, each rank's window the last step_window steps. Returns [(latest step, decision)]."""
     state, out = PolicyState(), []

@@ -49,7 +49,10 @@ def view(ranks=None, nodes=None):
     return ClusterView(ranks=ranks or {}, nodes=nodes or {})
 
 
-def rank(r, node="n0", setup=RunSetup(), **kw):
+DEFAULT_SETUP = RunSetup()
+
+
+def rank(r, node="n0", setup=DEFAULT_SETUP, **kw):
     return RankView(r, node, window(r, **kw), setup)
 
 
@@ -64,17 +67,17 @@ def node(node_id, *, available_frac=0.5, gpus=()):
 STRAGGLER_CASES = [
     # 4 ranks, 1.0 s steps. Reference (median_low): compute 0.5, data 0.05, comm 0.45.
     # rank 3 computes 0.9 s: excess (0.9 - 0.5) / 1.0 = 0.4, COMPUTE; it waits least (0.05).
-    ("compute", {0: {}, 1: {}, 2: {}, 3: dict(compute=0.9, comm=0.05)},
+    ("compute", {0: {}, 1: {}, 2: {}, 3: {"compute": 0.9, "comm": 0.05}},
      {0: (0.0, Cause.UNKNOWN), 1: (0.0, Cause.UNKNOWN), 2: (0.0, Cause.UNKNOWN),
       3: (0.4, Cause.COMPUTE)}),
     # 2 ranks: reference is the faster one. Rank 1 waits 0.45 s for data vs 0.1 s:
     # excess (0.45 - 0.1) / 1.0 = 0.35, DATA; rank 0's comm wait 0.4 is waiting, not blamed.
-    ("data, two ranks", {0: dict(data=0.1, compute=0.5, comm=0.4),
-                         1: dict(data=0.45, compute=0.5, comm=0.05)},
+    ("data, two ranks", {0: {"data": 0.1, "compute": 0.5, "comm": 0.4},
+                         1: {"data": 0.45, "compute": 0.5, "comm": 0.05}},
      {0: (0.0, Cause.UNKNOWN), 1: (0.35, Cause.DATA)}),
     # Nobody slow in data/compute; rank 2 waits 0.4 s in communication vs 0.1 s:
     # step_s = median(0.65, 0.65, 0.95) = 0.65; excess (0.4 - 0.1) / 0.65 = 0.461538...
-    ("communication", {0: dict(comm=0.1), 1: dict(comm=0.1), 2: dict(comm=0.4)},
+    ("communication", {0: {"comm": 0.1}, 1: {"comm": 0.1}, 2: {"comm": 0.4}},
      {0: (0.0, Cause.UNKNOWN), 1: (0.0, Cause.UNKNOWN), 2: (0.3 / 0.65, Cause.COMMUNICATION)}),
 ]
 
@@ -107,7 +110,10 @@ def test_default_apply_step(latest, expected):
 # -- decisions ---------------------------------------------------------------------------------
 # Windows cover steps 31..40 unless said otherwise, so latest_step = 40 and at = 60.
 
-def _decide(v, state=PolicyState(), cfg=CFG, at=60):
+FRESH_STATE = PolicyState()
+
+
+def _decide(v, state=FRESH_STATE, cfg=CFG, at=60):
     return decide(v, state, cfg, at)
 
 
@@ -147,8 +153,8 @@ def test_device_memory_rules(name, mem, setup, state, expected, release, shrink)
         assert out.state.last_release_step == release
         assert out.state.last_shrink_step == shrink
     if name == "odd micro-batch":
-        assert out.notes == ("cannot shrink the micro-batch 7: it is odd, so halving it would "
-                             "change the global batch; only cache releases remain",)
+        assert out.notes == (("cannot shrink the micro-batch 7: it is odd, so halving it "
+                              "would change the global batch; only cache releases remain"),)
 
 
 def test_rising_memory_stops_before_oom():
@@ -169,8 +175,8 @@ def test_nvml_reading_counts_as_device_pressure():
     gpu = GpuSample(index=2, memory_used_bytes=95, memory_total_bytes=100)
     # rank 1 runs on n1; no pid information: every GPU of n1 counts, and a note says so
     out = _decide(view({0: rank(0), 1: rank(1, node="n1")}, {"n1": node("n1", gpus=[gpu])}))
-    assert out.notes == ("node n1: every GPU counts as this run's memory pressure: no train "
-                         "worker of the run is registered with its monitor yet",)
+    assert out.notes == (("node n1: every GPU counts as this run's memory pressure: no "
+                          "train worker of the run is registered with its monitor yet"),)
     (d,) = out.decisions
     assert d.action is Action.RELEASE_CACHE
     assert d.step == 60
@@ -202,7 +208,7 @@ def test_host_pressure_lowers_prefetch_on_that_node(prefetch, expected, note):
 
 
 def _straggler_view(gpus=(), slow=(3,), nodes=("n0", "n0", "n1", "n1"), workers=(), **slow_kw):
-    slow_kw = slow_kw or dict(compute=0.9, comm=0.05)
+    slow_kw = slow_kw or {"compute": 0.9, "comm": 0.05}
     # 20 steps, 21-40: the slow ranks are slow at each of the straggler_steps (20)
     ranks = {r: rank(r, n, first=21, n=20, **(slow_kw if r in slow else {}))
              for r, n in enumerate(nodes)}
