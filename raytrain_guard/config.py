@@ -201,8 +201,9 @@ class GuardConfig:
         lo_open=True)
     straggler_steps: int = _doc(
         20, "The coordinator names a rank (or node) a straggler when it is slower than the "
-        "reference rank by its threshold (straggler_frac, slow_step_floor_s, slow_step_mad_k) at "
-        "each of this many consecutive steps. Default 20, two report batches at the default "
+        "reference rank by its threshold (straggler_frac, slow_step_floor_s, slow_step_mad_k) over "
+        "this many consecutive steps, at all of them but one in ten (a step another rank's "
+        "outlier shortens; the first and the last over it). Default 20, two report batches at the default "
         "report_every_steps: a straggler stays slow, while the longest such run in 116 clean "
         "600-step 2-rank arms on a 2-core box was 10 steps (3 gave 20 flags, 10 gave 1, 11 and "
         "more none: benchmarks/gate_replay.py --coordinator). The step gate still names a "

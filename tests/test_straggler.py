@@ -62,7 +62,7 @@ def _found(windows, num_steps=20):
 @pytest.mark.parametrize("slow,named", [
     # 20 steps in a row: named, over those 20
     (range(15, 35), range(15, 35)),
-    # 19 in a row (this box's own episodes of one slow rank lasted at most 11): not named
+    # 19 in a row (this box's own episodes of one slow rank lasted at most 10): not named
     (range(15, 34), None),
     # 20 steps, 2 of them under the line: 1 step in 10 may miss
     (set(range(15, 35)) - {20, 30}, range(15, 35)),

@@ -194,7 +194,7 @@ def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
     """The ranks slow in data or compute (or, when none is, communication) over ``num_steps``
     consecutive steps (at each of them but ``MISS_SHARE``, rounded down; the first and the last
     slow), among the last ``scan_steps`` steps (default ``num_steps``; the coordinator scans
-    ``straggler_steps``) that every rank has reported, against the per-step reference. The
+    max(``report_every_steps``, ``straggler_steps``)) that every rank has reported, against the per-step reference. The
     latest such run counts.
 
     Step by step, not window medians: a slowdown is named ``num_steps`` steps after it starts

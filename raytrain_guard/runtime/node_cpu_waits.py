@@ -43,7 +43,7 @@ __all__ = ["NodeCpuWaits", "sweep_stale_boards"]
 _ENTRY = struct.Struct("<dddd")   # (step, seconds waited for a CPU in it, seconds of own
                                   # work in it (NaN: not known yet), when written)
 _WORK = struct.Struct("<d")       # the work alone, at byte _WORK_AT of an entry
-_WORK_AT = 16
+_WORK_AT = struct.calcsize("<dd")  # after the step and the wait
 _NAME = "raytrain_guard-cpuwait-v4"
 """The board files' name; the version names the entry layout and the locking, so a file an
 earlier version left behind (a rank killed before its close) is never read as this one, and a
