@@ -92,8 +92,7 @@ def row(name: str, target: str, results: list[dict]) -> str:
                       for r in results)
     return (f"| {name} | {done(o)} | {done(a)} | {o['attempts']} / {a['attempts']} | "
             f"{o['lost_steps']} / {a['lost_steps']} | "
-            f"{o['samples_lost']}+{o['samples_repeated']} / "
-            f"{a['samples_lost']}+{a['samples_repeated']} | "
+            f"{_audited(o)} / {_audited(a)} | "
             f"{_pct(o['data_wait_frac'])} / {_pct(a['data_wait_frac'])} | "
             f"{_pct(o['peak_memory_frac'])} / {_pct(a['peak_memory_frac'])} | "
             f"{pace} | {names} | "
@@ -107,6 +106,13 @@ def _pace_ratio(result: dict) -> float | None:
     if o.get("step_samples_per_s") and a.get("step_samples_per_s"):
         return a["step_samples_per_s"] / o["step_samples_per_s"]
     return None
+
+
+def _audited(arm: dict) -> str:
+    """``lost+repeated`` of an arm's audit, or "not audited"."""
+    if arm.get("samples_lost") is None:
+        return "not audited"
+    return f"{arm['samples_lost']}+{arm['samples_repeated']}"
 
 
 def _pct(x):

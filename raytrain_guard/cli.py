@@ -646,7 +646,8 @@ def run_experiment(args: argparse.Namespace) -> int:
 
     setup = experiment_setup(args)
     setup.check()
-    out = args.out or time.strftime("raytrain-guard-experiment-%Y%m%d-%H%M%S")
+    # absolute here, before any worker sees it (the runner does so too, for the Python API)
+    out = os.path.abspath(args.out or time.strftime("raytrain-guard-experiment-%Y%m%d-%H%M%S"))
     progress = None if args.json else (lambda line: print(line, flush=True))
     try:
         # with --json, stdout carries the one object: what Ray prints goes to stderr meanwhile
@@ -655,8 +656,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     except InputError:
         raise
     except Exception as exc:  # noqa: BLE001 - the experiment itself could not run: exit 1
-        print(f"raytrain-guard experiment: could not run: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+        print(f"raytrain-guard experiment: could not run: {_one_line(exc)}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     if args.json:
         print(json.dumps(result, default=str))
@@ -664,6 +664,11 @@ def run_experiment(args: argparse.Namespace) -> int:
         print(format_text(result))
         print(f"report: {result['report']}")
     return EXIT_OK
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (an exception's message may hold newlines)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 @contextlib.contextmanager
@@ -690,14 +695,25 @@ def add_demo_command(subparsers) -> None:
                     "built-in sequence model twice under the same faults (a slowed rank, then "
                     "a stretch of long sequences that overflows its card): once with the guard "
                     "observing only, once acting. Prints the side-by-side table and the "
-                    "report's path.")
+                    "report's path. Exit 0 when it showed its outcome (act finishes every "
+                    "step, audited; observe does not; the slowed rank is named), 1 when it "
+                    "did not or could not run.")
     p.add_argument("--out", default=None, help="report folder (default: a new one here)")
     p.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     from raytrain_guard.cluster.demo import run_demo as demo
-    demo(out_dir=args.out)
+    try:
+        result = demo(out_dir=args.out)
+    except InputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the demo could not run (e.g. no traces): exit 1
+        print(f"raytrain-guard demo: could not run: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    if result["shortfalls"]:
+        print("raytrain-guard demo: failed: " + "; ".join(result["shortfalls"]), file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     return EXIT_OK
 
 

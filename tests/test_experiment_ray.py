@@ -5,7 +5,9 @@ attempt fails with ``OutOfMemoryError`` and the run does not finish; acting, the
 the long batches before their forward, runs them in pieces, and finishes with the same global
 batch, every sample of the epoch once and no step computed twice. The report and its plot are
 written and read back. A hang on rank 1 ends the attempt within seconds, the coordinator names
-rank 1 from every rank's watchdog record, and the run resumes from its checkpoint.
+rank 1 from every rank's watchdog record, and the run resumes from its checkpoint. Both run
+from a temporary working directory with a relative ``--out``, as a user would: the workers,
+which run in Ray's session folder, must still write their traces and audits there.
 """
 
 from __future__ import annotations
@@ -20,22 +22,26 @@ pytest.importorskip("matplotlib")
 pytestmark = pytest.mark.ray
 
 
-def _experiment(*args: str) -> dict:
-    """``raytrain-guard experiment ... --json`` in a fresh process, as a user runs it."""
+def _experiment(cwd, *args: str) -> dict:
+    """``raytrain-guard experiment ... --out report --json`` in a fresh process in ``cwd``, as a
+    user runs it."""
     import os
     import subprocess
     import sys
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}       # auth is not what this tests
     proc = subprocess.run([sys.executable, "-m", "raytrain_guard.cli", "experiment", *args,
-                           "--json"], capture_output=True, text=True, timeout=600, env=env)
+                           "--out", "report", "--json"], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    result = json.loads(proc.stdout)
+    assert result["report"] == str(cwd / "report" / "report.md")
+    return result
 
 
 def test_observe_fails_on_every_attempt_where_act_finishes_exactly_once(tmp_path):
     out = tmp_path / "report"
-    result = _experiment("--fault", "activation_spike:rank=1,start=12,factor=8,steps=2",
-                         "--steps", "100", "--max-failures", "1", "--out", str(out))
+    result = _experiment(tmp_path, "--fault", "activation_spike:rank=1,start=12,factor=8,steps=2",
+                         "--steps", "100", "--max-failures", "1")
     observe, act = result["arms"]["observe"], result["arms"]["act"]
 
     assert not observe["completed"] and observe["attempts"] == 2, observe["error"]
@@ -45,9 +51,14 @@ def test_observe_fails_on_every_attempt_where_act_finishes_exactly_once(tmp_path
     assert act["completed"] and act["attempts"] == 1 and act["error"] is None
     assert (act["steps"], act["total_steps"]) == (100, 100)      # one epoch: 1600 / 16
     assert act["lost_steps"] == act["samples_lost"] == act["samples_repeated"] == 0
+    # every step's ids on both ranks against the sampler's order: the whole epoch, 16 a step
+    assert (act["samples_audited"], act["samples_misplaced"]) == (1600, 0), act["audit"]
+    # observe: the 12 steps every attempt finished before the spike
+    assert (observe["steps"], observe["samples_audited"], observe["samples_lost"]) == (12, 192, 0)
     # the steps' own pace beats the pace over the whole attempt (start-up, checkpoints)
     assert act["step_samples_per_s"] > act["samples_per_s"] > 0
     assert act["global_batch"] == observe["global_batch"] == 16 and not act["batch_changes"]
+    assert act["global_batch_min"] == act["global_batch_max"] == 16
     splits = [d for d in act["decisions"] if d["action"] == "split_micro_batch"]
     assert [(d["step"], d["ranks"]) for d in splits] == [(12, [1]), (13, [1])]
     assert all(d["measured"]["peak_frac"] < 0.88 for d in splits)
@@ -61,8 +72,8 @@ def test_observe_fails_on_every_attempt_where_act_finishes_exactly_once(tmp_path
 
 
 def test_act_ends_a_hung_attempt_within_30_s_and_resumes_from_its_checkpoint(tmp_path):
-    act = _experiment("--fault", "hang:rank=1,start=40", "--arms", "act", "--steps", "60",
-                      "--out", str(tmp_path / "report"))["arms"]["act"]
+    act = _experiment(tmp_path, "--fault", "hang:rank=1,start=40", "--arms", "act", "--steps",
+                      "60")["arms"]["act"]
     hangs = [d for d in act["detections"] if d["kind"] == "hang"]
     assert hangs and hangs[0]["rank"] == 1 and hangs[0]["phase"] == "forward"
     assert hangs[0]["step"] == 40 and hangs[0]["seconds_to_detect"] < 15
@@ -79,4 +90,5 @@ def test_act_ends_a_hung_attempt_within_30_s_and_resumes_from_its_checkpoint(tmp
     # checkpoints every 25 steps: the restarted group computes steps 25-40 again (40 began
     # before it hung), and every sample of the epoch is consumed once by the finished lineage
     assert act["lost_steps"] == 16
-    assert act["samples_lost"] == act["samples_repeated"] == 0
+    assert act["samples_lost"] == act["samples_repeated"] == act["samples_misplaced"] == 0
+    assert act["samples_audited"] == 60 * 16

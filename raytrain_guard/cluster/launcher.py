@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -297,6 +298,8 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     replaces the default :class:`ClusterDecisionSource` (e.g. a subclass that logs timings).
     ``fixes``: what the caller's user can change when the plan does not fit (:func:`check_plan`).
     ``collective_timeout_s``: the process group's timeout (Ray Train's default: 1800 s).
+    ``storage_path`` and the loop's folders (:func:`absolute_paths`) are made absolute here:
+    a worker would resolve a relative one in its own working directory (Ray's session folder).
     """
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -305,6 +308,8 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
     from raytrain_guard.cluster.actors import start_coordinator, start_monitors, stop_all
     from raytrain_guard.runtime.train_loop import train_loop_per_worker
 
+    train_loop_config = absolute_paths(train_loop_config)
+    storage_path = os.path.abspath(storage_path) if storage_path else storage_path
     fewest, most = worker_range(num_workers)
     if fewest != most:
         train_loop_config = elastic_loop_config(train_loop_config, fewest, most, max_failures)
@@ -371,6 +376,23 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
         int(loop_config.get("micro_batch", 32)) * int(loop_config.get("grad_accum", 1)) * most)
     return summarize(run_id, _results_of(result), status, time.perf_counter() - start,
                      plan_line, global_batch)
+
+
+#: the train loop's folders: what its ranks write (trace, audit) and the faults' markers
+LOOP_PATH_KEYS = ("trace_dir", "audit_dir")
+
+
+def absolute_paths(train_loop_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``train_loop_config`` with its folders (:data:`LOOP_PATH_KEYS`, ``faults["marker_dir"]``)
+    absolute, from the driver's working directory (pure; the config itself is not changed)."""
+    config = dict(train_loop_config)
+    for key in LOOP_PATH_KEYS:
+        if config.get(key):
+            config[key] = os.path.abspath(config[key])
+    faults = config.get("faults")
+    if isinstance(faults, Mapping) and faults.get("marker_dir"):
+        config["faults"] = {**faults, "marker_dir": os.path.abspath(faults["marker_dir"])}
+    return config
 
 
 def worker_range(num_workers: Any) -> tuple[int, int]:

@@ -4,9 +4,28 @@ Every rank of every attempt appends JSON lines to ``trace/rank<r>.jsonl`` (``sta
 ``decision``, ``hang``, ``error``, ``end`` records, each with its process's ``attempt`` id and
 wall time) and, per micro-batch, the sample ids it consumed to ``audit/rank<r>.jsonl``.
 :func:`analyze_arm` turns them into the arm's figures: whether it completed, its attempts, the
-steps it computed twice, the samples of the finished lineage lost or repeated, the step-time
-quantiles, data wait, peak memory, detections (matched to the faults they follow) and
-decisions with their predicted and measured effects.
+steps it computed twice, the audit of the samples its finished lineage consumed
+(:mod:`raytrain_guard.experiment.audit`), the step-time quantiles, data wait, peak memory,
+detections (matched to the faults they follow) and decisions with their predicted and measured
+effects. An arm whose ranks left no trace is no result: :class:`ArmTracesError`.
+
+**Dating a detection.** A detection is dated by the step during which, or at whose end, it
+reached the rank: a slow step or a straggler the rank recorded at the boundary after step ``s``
+(its ``applied_at`` is ``s + 1``, the steps finished) is dated ``s``, whether the rank's own gate
+or the coordinator decided it; a hang, which no boundary ends, by the step it hung in.
+
+**Lateness.** A detection names a fault (:func:`match_detections`, :func:`fault_outcomes`) only
+if it comes on one of the fault's ranks at or after the fault's first step and at most a bound
+after its last (:func:`fault_last_step`; a fault without an end has no bound). The bound
+(:class:`Lateness`) is what the detector's own path may add after the last step it saw: a
+rank's gate or watchdog (``source`` ``"rank"``) names a slowdown at the step that completes its
+evidence, and its evidence is the fault's own slow steps, so ``num_slow_steps`` (3) covers an
+effect that outlasts the fault by a step or two; the coordinator (``"cluster"``: stragglers)
+hears of a step in a rank's next report batch (``report_every_steps``, 10) and the ranks apply
+its decision at the next multiple of ``lockstep_every_steps`` (10). The runner derives both
+from the arm's guard config. A later detection with the right cause is another event (e.g. a
+split micro-batch's slower step), not that fault named. A detection in time comes within
+:data:`DETECTION_DELAY_TARGET_STEPS` of the fault's start.
 """
 
 from __future__ import annotations
@@ -14,16 +33,39 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from raytrain_guard.core.faults import FaultSpec
+from raytrain_guard.errors import GuardError
+from raytrain_guard.experiment.audit import AuditResult, audit_arm, lineage, lost_steps
+
+__all__ = ["ArmTracesError", "AuditResult", "Lateness", "analyze_arm", "can_name",
+           "fault_last_step", "fault_outcomes", "lineage", "lost_steps", "match_detections", "read_jsonl",
+           "read_ranks"]
 
 #: decision records that say what was seen, not what was done
 DETECTION_ACTIONS = frozenset({"slow_step", "flag_straggler"})
 #: a fault's cause is named in time when the detection comes within this many steps of its start
 DETECTION_DELAY_TARGET_STEPS = 5
+
+
+@dataclass(frozen=True)
+class Lateness:
+    """How many steps after a fault's last step a detection may come and still name it, by the
+    detection's ``source`` (see the module docstring); the defaults are the guard's."""
+
+    rank_steps: int = 3          # num_slow_steps
+    cluster_steps: int = 20      # report_every_steps + lockstep_every_steps
+
+    def of(self, detection: Mapping[str, Any]) -> int:
+        return self.cluster_steps if detection.get("source") == "cluster" else self.rank_steps
+
+
+class ArmTracesError(GuardError):
+    """An arm's ranks left no trace (or only some of them did): no figures can be made of it."""
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -66,60 +108,33 @@ def _attempt_order(records: Iterable[Mapping[str, Any]]) -> list[str]:
     return [a for _, a in starts]
 
 
-def lineage(audit: Sequence[Mapping[str, Any]], order: Sequence[str]) -> dict[int, list[Any]]:
-    """{step: ids} of the lineage that finished: each step as its last attempt ran it."""
-    rank_of = {a: i for i, a in enumerate(order)}
-    by_step: dict[int, tuple[int, list[Any]]] = {}
-    for rec in audit:
-        key = rank_of.get(rec.get("attempt"), -1)
-        step = int(rec["step"])
-        known = by_step.get(step)
-        if known is None or key > known[0]:
-            by_step[step] = (key, list(rec["ids"]))
-        elif key == known[0]:
-            known[1].extend(rec["ids"])
-    return {step: ids for step, (_, ids) in by_step.items()}
+def fault_last_step(fault: FaultSpec) -> int | None:
+    """The last step ``fault`` is active at: ``stop - 1``; ``start + steps - 1`` for a spike
+    (``steps`` steps); ``start`` for a fault that fires once (crash, hang); None: to the end."""
+    if fault.stop is not None:
+        return fault.stop - 1
+    if "steps" in fault.params:
+        return fault.start + int(fault.params["steps"]) - 1
+    return fault.start if fault.once else None
 
 
-def lost_steps(audit: Sequence[Mapping[str, Any]]) -> int:
-    """Steps computed more than once (again after a restart), from one rank's audit."""
-    runs = Counter()
-    for attempt, step in {(r.get("attempt"), int(r["step"])) for r in audit}:
-        runs[step] += 1
-    return sum(n - 1 for n in runs.values())
+def can_name(fault: FaultSpec, rank: Any, step: int | None, *, late_steps: int) -> bool:
+    """Whether a detection on ``rank`` dated ``step`` can name ``fault``: on one of its ranks,
+    at or after its start, at most ``late_steps`` after its last step."""
+    if step is None or rank not in fault.ranks or step < fault.start:
+        return False
+    last = fault_last_step(fault)
+    return last is None or step <= last + late_steps
 
 
-def audit_samples(audits: Mapping[int, Sequence[Mapping[str, Any]]],
-                  orders: Mapping[int, Sequence[str]], *, num_samples: int | None,
-                  steps_per_epoch: int | None, steps_done: int) -> tuple[int, int]:
-    """(samples lost, samples repeated) over the epochs the finished lineage completed: every
-    sample of such an epoch should have been consumed exactly once across all ranks."""
-    if not num_samples or not steps_per_epoch:
-        return 0, 0
-    epochs_done = steps_done // steps_per_epoch
-    per_epoch: dict[int, Counter] = defaultdict(Counter)
-    for rank, audit in audits.items():
-        for step, ids in lineage(audit, orders.get(rank, [])).items():
-            epoch = step // steps_per_epoch
-            if epoch < epochs_done:
-                per_epoch[epoch].update(ids)
-    lost = repeated = 0
-    for epoch in range(epochs_done):
-        seen = per_epoch[epoch]
-        lost += sum(1 for i in range(num_samples) if i not in seen)
-        repeated += sum(n - 1 for n in seen.values() if n > 1)
-    return lost, repeated
-
-
-def match_detections(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str, Any]]
-                     ) -> list[dict[str, Any]]:
-    """Each detection with the fault it follows (the latest fault on its rank started at or
-    before it) and its delay; a fault's expected cause says whether it was named right."""
+def match_detections(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str, Any]], *,
+                     lateness: Lateness = Lateness()) -> list[dict[str, Any]]:
+    """Each detection with the fault it follows (of the faults it can name, :func:`can_name`, the
+    latest started) and its delay; a fault's expected cause says whether it was named right."""
     out = []
     for d in detections:
         rank, step = d.get("rank"), d.get("step")
-        onset = [f for f in faults if rank in f.ranks and step is not None and f.start <= step
-                 and (f.stop is None or step < f.stop + DETECTION_DELAY_TARGET_STEPS)]
+        onset = [f for f in faults if can_name(f, rank, step, late_steps=lateness.of(d))]
         fault = max(onset, key=lambda f: f.start) if onset else None
         out.append({**d, "fault": fault.kind if fault else None,
                     "onset_step": fault.start if fault else None,
@@ -128,17 +143,19 @@ def match_detections(faults: Sequence[FaultSpec], detections: Sequence[Mapping[s
     return out
 
 
-def fault_outcomes(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str, Any]]
-                   ) -> list[dict[str, Any]]:
-    """Per fault with a cause: the first detection naming that cause on its rank, and whether
-    it came within :data:`DETECTION_DELAY_TARGET_STEPS`."""
+def fault_outcomes(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str, Any]], *,
+                   lateness: Lateness = Lateness()) -> list[dict[str, Any]]:
+    """Per fault with a cause: the first detection that names that cause and can name the fault
+    (:func:`can_name`: its rank, not before it, at most its source's ``lateness`` after its last
+    step), and whether it came within :data:`DETECTION_DELAY_TARGET_STEPS` of its start."""
     out = []
     for f in faults:
         if f.cause is None:
             continue
-        hits = sorted((d for d in detections if d.get("rank") in f.ranks
-                       and d.get("cause") == f.cause and d.get("step") is not None
-                       and d["step"] >= f.start), key=lambda d: d["step"])
+        hits = sorted((d for d in detections if d.get("cause") == f.cause
+                       and can_name(f, d.get("rank"), d.get("step"),
+                                    late_steps=lateness.of(d))),
+                      key=lambda d: d["step"])
         first = hits[0] if hits else None
         delay = first["step"] - f.start if first else None
         out.append({"fault": str(f), "cause": f.cause, "named_at_step": first and first["step"],
@@ -147,10 +164,44 @@ def fault_outcomes(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str
     return out
 
 
+def detections_of(decisions: Sequence[Mapping[str, Any]], hangs: Sequence[Mapping[str, Any]],
+                  starts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Slow steps (``source`` ``"rank"``: the rank's gate), stragglers (``"cluster"``: the
+    coordinator) and hangs (``"rank"``: the watchdogs), each dated by the rule of the module
+    docstring: a decision recorded at ``applied_at`` (steps finished) by ``applied_at - 1``, a
+    hang by its step."""
+    detections = [{"kind": f"slow_step ({d.get('cause')})", "rank": d.get("world_rank"),
+                   "cause": d.get("cause"), "step": _dated(d), "source": "rank",
+                   "reason": d.get("reason")}
+                  for d in decisions if d.get("action") == "slow_step"]
+    detections += [{"kind": "straggler", "rank": r, "cause": d.get("cause"), "step": _dated(d),
+                    "source": "cluster", "reason": d.get("reason")}
+                   for d in _merged(decisions) if d.get("action") == "flag_straggler"
+                   for r in (d.get("params", {}).get("ranks") or d.get("ranks") or [])]
+    return detections + _hang_detections(hangs, starts)
+
+
+def _dated(decision: Mapping[str, Any]) -> int | None:
+    """The step a decision record dates a detection by: the last step finished when the rank
+    recorded it (``applied_at - 1``)."""
+    applied = decision.get("applied_at")
+    return None if applied is None else int(applied) - 1
+
+
 def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int | None,
-                launch_error: str | None, wall_s: float) -> dict[str, Any]:
-    """The ARM object of the experiment's report (see the module docstring)."""
-    traces = read_ranks(os.path.join(arm_dir, "trace"))
+                launch_error: str | None, wall_s: float, num_workers: int | None = None,
+                epoch_order: Callable[[int], Sequence[Any]] | None = None,
+                lateness: Lateness = Lateness()) -> dict[str, Any]:
+    """The ARM object of the experiment's report (see the module docstring).
+
+    ``num_workers``: the arm's workers; a rank below it without a trace raises
+    :class:`ArmTracesError` (as does an arm with no trace at all), naming the folder read.
+    ``epoch_order``: the sampler's order of an epoch's ids, for the exact audit
+    (:func:`raytrain_guard.experiment.audit.audit_arm`). ``lateness``: the bound on how late a
+    detection may name a fault."""
+    trace_dir = os.path.join(arm_dir, "trace")
+    traces = {r: records for r, records in read_ranks(trace_dir).items() if records}
+    _check_traces(traces, trace_dir, num_workers, launch_error)
     audits = read_ranks(os.path.join(arm_dir, "audit"))
     orders = {rank: _attempt_order(records) for rank, records in traces.items()}
     for rank, records in traces.items():      # _try: which attempt of the run, from 0
@@ -161,19 +212,14 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     starts = [r for r in rank0 if r.get("t") == "start"]
     ends = [r for r in rank0 if r.get("t") == "end"]
     first = starts[0] if starts else {}
-    world = int(first.get("world_size") or len(traces) or 1)
+    world = int(first.get("world_size") or num_workers or len(traces) or 1)
     micro, accum = int(first.get("micro_batch") or 0), int(first.get("grad_accum") or 1)
     total_steps = int(first.get("total_steps") or 0)
-    steps_per_epoch = None
-    if num_samples and micro:
-        per_rank = math.ceil(num_samples / world)           # the sampler pads the shards
-        steps_per_epoch = math.ceil(math.ceil(per_rank / micro) / accum)
     audit0 = audits.get(0, [])
-    steps_done = max((int(r["step"]) + 1 for r in audit0), default=0)
-    if ends:
-        steps_done = int(ends[-1]["step"])
-    lost, repeated = audit_samples(audits, orders, num_samples=num_samples,
-                                   steps_per_epoch=steps_per_epoch, steps_done=steps_done)
+    steps_done = _steps_done(rank0, audit0, ends)
+    audit = audit_arm(audits, orders, world_size=world, steps_done=steps_done,
+                      num_samples=num_samples, step_samples=_step_samples(traces),
+                      epoch_order=epoch_order, audit_dir=os.path.join(arm_dir, "audit"))
 
     steps = [r for records in traces.values() for r in records if r.get("t") == "step"]
     totals = [r["total_s"] for r in steps]
@@ -183,16 +229,7 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     errors = [r for records in traces.values() for r in records if r.get("t") == "error"]
     decisions = [r for records in traces.values() for r in records if r.get("t") == "decision"]
     hangs = [r for records in traces.values() for r in records if r.get("t") == "hang"]
-
-    detections = [{"kind": f"slow_step ({d.get('cause')})", "rank": d.get("world_rank"),
-                   "cause": d.get("cause"), "step": int(d.get("applied_at", 1)) - 1,
-                   "reason": d.get("reason")}
-                  for d in decisions if d.get("action") == "slow_step"]
-    detections += [{"kind": "straggler", "rank": r, "cause": d.get("cause"),
-                    "step": d.get("applied_at"), "reason": d.get("reason")}
-                   for d in _merged(decisions) if d.get("action") == "flag_straggler"
-                   for r in (d.get("params", {}).get("ranks") or d.get("ranks") or [])]
-    detections += _hang_detections(hangs, starts)
+    detections = detections_of(decisions, hangs, starts)
     completed = bool(ends) and launch_error is None
     train_wall = (ends[-1]["wall"] - starts[0]["wall"]) if ends and starts else None
     # rank 0's steps alone: start-up, checkpoints and restarts left out (the steps' own pace)
@@ -204,8 +241,8 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
         "attempt_errors": [_error_line([e]) for e in _first_error_per_attempt(errors)],
         "attempts": len(starts),
         "steps": steps_done, "total_steps": total_steps,
-        "lost_steps": lost_steps(audit0),
-        "samples_lost": lost, "samples_repeated": repeated,
+        "lost_steps": lost_steps(audit0) if audit.audited else None,
+        **audit.to_dict(),
         "wall_s": round(wall_s, 2),
         "train_wall_s": round(train_wall, 2) if train_wall else None,
         "samples_per_s": round(steps_done * micro * accum * world / train_wall, 1)
@@ -216,15 +253,58 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
         "data_wait_frac": round(waits / sum(totals), 4) if totals and sum(totals) else None,
         "fault_data_wait_frac": _wait_frac(in_fault),
         "peak_memory_frac": round(max(fracs), 4) if fracs else None,
-        "global_batch": micro * accum * world,
         "batch_changes": [{"step": d.get("applied_at"), **d.get("params", {})}
                           for d in _merged(decisions)
                           if d.get("action") == "shrink_micro_batch" and d.get("applied")],
-        "detections": match_detections(faults, detections),
-        "fault_detection": fault_outcomes(faults, detections),
+        "detections": match_detections(faults, detections, lateness=lateness),
+        "fault_detection": fault_outcomes(faults, detections, lateness=lateness),
         "decisions": [_decision(d) for d in _merged(decisions)
                       if d.get("action") not in DETECTION_ACTIONS],
     }
+
+
+def _check_traces(traces: Mapping[int, Sequence[Mapping[str, Any]]], trace_dir: str,
+                  num_workers: int | None, launch_error: str | None) -> None:
+    """:class:`ArmTracesError` for an arm with no trace records, or without a rank's."""
+    cause = f"; the launch failed: {launch_error}" if launch_error else ""
+    if not traces:
+        raise ArmTracesError(f"no trace records in {trace_dir}: the arm's workers wrote none "
+                             f"there{cause}")
+    missing = [r for r in range(num_workers or 0) if r not in traces]
+    if missing:
+        raise ArmTracesError(
+            f"traces of {len(traces)} of {num_workers} ranks in {trace_dir}: rank "
+            f"{', '.join(map(str, missing))} wrote none there{cause}")
+
+
+def _steps_done(rank0: Sequence[Mapping[str, Any]], audit0: Sequence[Mapping[str, Any]],
+                ends: Sequence[Mapping[str, Any]]) -> int:
+    """Steps the lineage finished: the ``end`` record's; else the steps finished when the last
+    attempt failed (its ``error`` record on rank 0); else what rank 0's traced steps and its
+    audit show (a step whose ids were recorded may not have finished: the steps before the
+    last audited one did)."""
+    if ends:
+        return int(ends[-1]["step"])
+    last_try = max((r.get("_try", -1) for r in rank0), default=-1)
+    failed = [r for r in rank0 if r.get("t") == "error" and r.get("_try") == last_try
+              and r.get("step") is not None]
+    if failed:
+        return int(failed[-1]["step"])
+    traced = max((int(r["step"]) + 1 for r in rank0 if r.get("t") == "step"), default=0)
+    return max(traced, max((int(r["step"]) for r in audit0), default=0))
+
+
+def _step_samples(traces: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[int, int]:
+    """{step: micro_batch x grad_accum} from the traced steps (the latest attempt's)."""
+    out: dict[int, tuple[int, int]] = {}
+    for records in traces.values():
+        for r in records:
+            if r.get("t") == "step" and r.get("micro_batch"):
+                value = int(r["micro_batch"]) * int(r.get("grad_accum") or 1)
+                known = out.get(int(r["step"]))
+                if known is None or r.get("_try", -1) >= known[0]:
+                    out[int(r["step"])] = (r.get("_try", -1), value)
+    return {step: value for step, (_, value) in out.items()}
 
 
 def _wait_frac(steps: Sequence[Mapping[str, Any]]) -> float | None:
@@ -309,7 +389,7 @@ def _hang_detections(hangs: Sequence[Mapping[str, Any]], starts: Sequence[Mappin
         hung = records[verdict.world_rank][1]
         began = hung["wall"] - hung.get("step_for_s", 0.0)
         restart = min((r["wall"] for r in starts if r["wall"] > hung["wall"]), default=None)
-        out.append({"kind": "hang", "rank": verdict.world_rank, "cause": "hang",
+        out.append({"kind": "hang", "rank": verdict.world_rank, "cause": "hang", "source": "rank",
                     "step": verdict.step, "phase": verdict.phase,
                     "seconds_to_detect": hung.get("step_for_s"),
                     "seconds_to_restart": None if restart is None else round(restart - began, 2),

@@ -13,24 +13,33 @@ from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.experiment import analysis
+from raytrain_guard.experiment.audit import NOT_AUDITED
 
-#: the rows of the side-by-side table: (label, key, format)
+#: the rows of the side-by-side table: (label, key, format); an audit figure that is None
+#: reads "not audited" (or "not checked" where the audit ran without it), any other None "-"
 ROWS: Sequence[tuple[str, str, str]] = (
     ("completed", "completed", "bool"), ("error", "error", "text"),
     ("attempts", "attempts", "int"), ("steps", "steps", "steps"),
-    ("steps computed again", "lost_steps", "int"), ("samples lost", "samples_lost", "int"),
-    ("samples repeated", "samples_repeated", "int"), ("wall time", "wall_s", "s"),
+    ("steps computed again", "lost_steps", "audit"),
+    ("samples audited", "samples_audited", "audit"), ("samples lost", "samples_lost", "audit"),
+    ("samples repeated", "samples_repeated", "audit"),
+    ("samples misplaced", "samples_misplaced", "audit"), ("wall time", "wall_s", "s"),
     ("training time", "train_wall_s", "s"), ("samples/s", "samples_per_s", "float"),
     ("step p50", "step_p50_s", "ms"), ("step p99", "step_p99_s", "ms"),
     ("data wait", "data_wait_frac", "pct"), ("peak memory", "peak_memory_frac", "pct"),
-    ("global batch", "global_batch", "int"),
+    ("global batch", "global_batch", "batch"),
 )
 
 
 def _cell(arm: Mapping[str, Any], key: str, kind: str) -> str:
     value = arm.get(key)
     if value is None:
-        return "-"
+        if kind not in ("audit", "batch"):
+            return "-"
+        return NOT_AUDITED if arm.get("samples_audited") is None else "not checked"
+    if kind == "batch":
+        low, high = arm.get("global_batch_min"), arm.get("global_batch_max")
+        return str(value) if low == high else f"{value} ({low}-{high})"
     if kind == "bool":
         return "yes" if value else "**no**"
     if kind == "steps":
@@ -64,6 +73,8 @@ def format_text(result: Mapping[str, Any]) -> str:
     """What the CLI prints: the table, how each fault was named, where the report is."""
     out = [side_by_side(result["arms"]), ""]
     for name, arm in result["arms"].items():
+        if arm.get("audit"):
+            out.append(f"{name}: audit: {arm['audit']}")
         for f in arm.get("fault_detection", ()):
             named = (f"named {f['cause']} at step {f['named_at_step']} "
                      f"({f['delay_steps']} steps after its start)" if f["named_at_step"]
@@ -101,6 +112,9 @@ def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[s
                 f"after its start ({'within' if f['in_time'] else 'over'} the "
                 f"{analysis.DETECTION_DELAY_TARGET_STEPS}-step target)"
                 if f["named_at_step"] is not None else f"{f['cause']} not named"))
+    lines += ["", "## Audit of the samples consumed", ""]
+    lines += [f"- {name}: {arm.get('audit') or NOT_AUDITED}"
+              for name, arm in result["arms"].items()]
     lines += ["", "## Detections", ""]
     for name, arm in result["arms"].items():
         lines += [f"- {name}: {d['kind']} on rank {d['rank']} at step {d['step']}"

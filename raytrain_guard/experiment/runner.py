@@ -11,6 +11,12 @@ one by default), same seed, same data order, same fault schedule, each under
 
 It then reads what each arm's ranks wrote (:mod:`raytrain_guard.experiment.analysis`) and
 writes ``report.md`` and the plots (:mod:`raytrain_guard.experiment.report`).
+
+Every folder the ranks write to (the report folder, each arm's trace, audit and marker folders,
+Ray Train's storage) is made absolute here, in the driver: a Ray worker runs in its own working
+directory (Ray's session folder), where a relative path would land elsewhere. An arm whose
+ranks left no trace in the folder it reads raises :class:`~raytrain_guard.experiment.analysis.
+ArmTracesError` naming that folder.
 """
 
 from __future__ import annotations
@@ -96,8 +102,10 @@ class ExperimentSetup:
 
 
 def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any]:
-    """The train loop's config of one arm (the same for both but ``act``)."""
+    """The train loop's config of one arm (the same for both but ``act``); its folders are
+    absolute (relative ones are taken from the driver's working directory)."""
     act = arm == "act"
+    arm_dir = os.path.abspath(arm_dir)
     config: dict[str, Any] = {
         **setup.factories, "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum,
         "epochs": setup.epochs, "seed": setup.seed, "strategy": setup.strategy,
@@ -116,9 +124,12 @@ def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any
 
 def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
             namespace: str = "raytrain_guard") -> dict[str, Any]:
-    """Run one arm and return its figures (the ARM object of the report)."""
+    """Run one arm and return its figures (the ARM object of the report). ``arm_dir`` is taken
+    from the driver's working directory when relative; :class:`~raytrain_guard.experiment.
+    analysis.ArmTracesError` when the arm's ranks left no trace there."""
     from raytrain_guard.cluster.launcher import launch
 
+    arm_dir = os.path.abspath(arm_dir)
     os.makedirs(os.path.join(arm_dir, "markers"), exist_ok=True)
     storage = tempfile.mkdtemp(prefix=f"rtg-exp-{arm}-")
     started = time.perf_counter()
@@ -136,8 +147,13 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
     finally:
         shutil.rmtree(storage, ignore_errors=True)
     wall = time.perf_counter() - started
-    result = analysis.analyze_arm(arm_dir, setup.faults, num_samples=_num_samples(setup),
-                                  launch_error=error, wall_s=wall)
+    try:
+        result = analysis.analyze_arm(
+            arm_dir, setup.faults, num_samples=_num_samples(setup), launch_error=error,
+            wall_s=wall, num_workers=setup.num_workers, epoch_order=_epoch_order(setup),
+            lateness=detection_lateness(setup))
+    except analysis.ArmTracesError as exc:
+        raise analysis.ArmTracesError(f"arm {arm}: {exc}") from None
     if summary is not None:            # the rank the coordinator named live, per hung attempt
         result["coordinator_hangs"] = list(summary.coordinator.get("hangs") or [])
     if any(f.kind == "hang" for f in setup.faults) and arm == "observe":
@@ -148,12 +164,15 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
 def run_experiment(setup: ExperimentSetup, out_dir: str, *,
                    progress: Callable[[str], None] | None = None,
                    namespace: str = "raytrain_guard") -> dict[str, Any]:
-    """Every arm, one after the other, then the report. Returns the ``--json`` object."""
+    """Every arm, one after the other, then the report. Returns the ``--json`` object.
+    ``out_dir`` is taken from the driver's working directory when relative (the paths in the
+    result are absolute)."""
     import ray
 
     from raytrain_guard.experiment.report import write_report
 
     setup.check()
+    out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     started_ray = False
     if not ray.is_initialized():
@@ -192,6 +211,37 @@ def _num_samples(setup: ExperimentSetup) -> int | None:
         from raytrain_guard.experiment.model import NUM_SAMPLES
         return NUM_SAMPLES
     return None
+
+
+def _epoch_order(setup: ExperimentSetup) -> Callable[[int], list[int]] | None:
+    """The built-in job's order of an epoch's sample ids (its id is the sample's index): the
+    loop's sampler's permutation, for the exact audit; None for your own job, whose ids need
+    not be indices."""
+    if not setup.built_in:
+        return None
+    from raytrain_guard.experiment.model import NUM_SAMPLES
+    from raytrain_guard.runtime.sampler import ResumableDistributedSampler
+
+    # the loop's loader: shuffle=True, seed=the loop's seed, drop_last=False
+    sampler = ResumableDistributedSampler(range(NUM_SAMPLES), num_replicas=1, rank=0,
+                                          shuffle=True, seed=setup.seed)
+    cache: dict[int, list[int]] = {}
+
+    def order(epoch: int) -> list[int]:
+        if epoch not in cache:
+            sampler.set_epoch(epoch)
+            cache[epoch] = sampler.epoch_permutation()
+        return cache[epoch]
+    return order
+
+
+def detection_lateness(setup: ExperimentSetup) -> analysis.Lateness:
+    """How late a detection may come after a fault's last step and still name it, under the
+    arm's guard config: a rank's gate, ``num_slow_steps``; the coordinator, a report batch and
+    then the lockstep step the ranks apply its decision at."""
+    guard = GuardConfig.from_dict(dict(setup.guard)) if setup.guard else GuardConfig()
+    return analysis.Lateness(rank_steps=guard.num_slow_steps,
+                             cluster_steps=guard.report_every_steps + guard.lockstep_every_steps)
 
 
 def _device_line(setup: ExperimentSetup) -> str:
