@@ -52,7 +52,8 @@ def test_the_step_a_decision_was_applied_at_goes_with_the_next_report():
     shrink = Decision(Action.SHRINK_MICRO_BATCH, "test", 2, Cause.DEVICE_MEMORY, "cluster",
                       {"micro_batch": 4, "grad_accum": 2}, decision_id=9)
     client = DeliveringClient(shrink, name="c", namespace="ns", world_rank=0, node_id="n0",
-                              report_every_steps=2, lookup=lambda name, ns: handle)
+                              report_every_steps=2, lookup=lambda name, ns: handle,
+                              run_lookup=lambda look_up: look_up())
     source = LockstepDecisionSource(Lockstep(every_steps=4, exchange=SingleRankExchange()),
                                     client)
     assert source.poll(2, _stats(0, 1)) == []

@@ -244,6 +244,7 @@ def test_client_asks_for_an_attempt_and_collects_only_at_agreement_steps(cluster
         monkeypatch.setattr(ray, "wait", lambda *a, **k: waits.append(1) or real_wait(*a, **k))
         client = CoordinatorClient(coordinator_name("run-d"), namespace=NS, world_rank=0,
                                    node_id="n0", report_every_steps=10, attempt=2)
+        wait_for(lambda: client.connected)          # the lookup runs on a thread of its own
         source = LockstepDecisionSource(Lockstep(every_steps=10), client)
         for step in range(1, 41):
             source.poll(step, [StepStats(step - 1, 0.1, memory_frac=0.5)])

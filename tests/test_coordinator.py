@@ -285,7 +285,7 @@ def test_a_release_that_missed_is_measured_stored_and_not_repeated():
         report(c, first, 0.89, applied=[(20, d["decision_id"])] if first == 21 else None)
     assert c.decide(next_apply_step=60) == []       # measured over steps 21-40: missed
     (m,) = c.decisions_since(0)
-    assert m["measured"]["missed"] is True
+    assert m["measured"]["verdict"] == "miss"
     assert m["measured"]["memory_frac_before"] == 0.89 and m["measured"]["delta_frac"] == 0.0
     assert m["measured"]["num_steps_after"] == 40   # 2 ranks x steps 21..40
     st = c.status()
@@ -307,7 +307,7 @@ def test_a_release_that_worked_may_be_decided_again():
         report(c, first, 0.80, applied=[(20, d["decision_id"])] if first == 21 else None)
     assert c.decide(next_apply_step=60) == []
     (m,) = c.decisions_since(0)
-    assert m["measured"]["missed"] is False and m["measured"]["delta_frac"] == -0.09
+    assert m["measured"]["verdict"] == "hit" and m["measured"]["delta_frac"] == -0.09
     report(c, 41, 0.89)                             # climbed back, cache to free again
     assert [d["action"] for d in c.decide(next_apply_step=70)] == ["release_cache"]
 
@@ -327,9 +327,32 @@ def test_an_effect_is_measured_from_the_step_the_ranks_applied_it_at():
     report(c, 41, 0.80)
     assert c.decide(next_apply_step=60) == []
     (m,) = c.decisions_since(0)
-    assert m["measured"]["applied_at"] == 30 and m["measured"]["missed"] is False
+    assert m["measured"]["applied_at"] == 30 and m["measured"]["verdict"] == "hit"
     assert m["measured"]["delta_frac"] == pytest.approx(-0.09)
     assert m["measured"]["num_steps_after"] == 40    # 2 ranks x steps 31..50
+
+
+def test_a_release_without_prediction_is_not_judged_and_does_not_rearm():
+    # no allocator figures reported: the release is unpriced, once until memory falls under
+    # the re-arm line. Measured, it is neither a hit nor a miss, and re-arms nothing
+    c = coordinator()
+    cuda = {"micro_batch": 2, "grad_accum": 1, "device": "cuda"}
+
+    def unpriced_report(first, applied=None):
+        for rank in (0, 1):
+            c.report_steps(rank, "n0", 0, batch(rank, first, mem=0.89), cuda, applied=applied)
+
+    unpriced_report(1)
+    (d,) = c.decide(next_apply_step=20)
+    assert d["action"] == "release_cache" and d["predicted"] is None
+    for first in (11, 21, 31):                      # fell 0.09, with nothing to hold it to
+        unpriced_report(first, applied=[(20, d["decision_id"])] if first == 21 else None)
+    assert c.decide(next_apply_step=60) == []
+    (m,) = c.decisions_since(0)
+    assert m["measured"]["verdict"] == "not_judged" and "missed" not in m["measured"]
+    assert c.status()["missed"] == [] and c._state.release_armed is False
+    unpriced_report(41)                             # still over the re-arm line: not again
+    assert c.decide(next_apply_step=70) == []
 
 
 def test_a_decision_no_rank_applied_is_never_measured_nor_judged_missed():

@@ -29,7 +29,8 @@ from raytrain_guard.core.effects import (
     GradSync,
     Measured,
     RunPlan,
-    missed,
+    Verdict,
+    judge,
     prefetch_effect,
     release_effect,
     reserved_peak_bytes,
@@ -237,13 +238,17 @@ def test_escalation_after_a_release_that_missed():
     assert d.action is Action.CHECKPOINT_AND_STOP
 
 
-def test_missed_is_below_half_the_prediction():
+def test_a_miss_is_below_half_the_prediction_and_unpriced_is_not_judged():
     def m(before, after):
         return Measured(before, after, 1.0, 1.0, 0.0, 0.0, 10, 10)
     predicted = {"delta_frac": -0.08}
-    assert missed(predicted, m(0.90, 0.89), 0.5)          # 0.01 < 0.04
-    assert not missed(predicted, m(0.90, 0.85), 0.5)      # 0.05 >= 0.04
-    assert not missed(None, m(0.90, 0.90), 0.5)           # unpriced: nothing to hold it to
+    assert judge(predicted, m(0.90, 0.89), 0.5) is Verdict.MISS         # 0.01 < 0.04
+    assert judge(predicted, m(0.90, 0.85), 0.5) is Verdict.HIT          # 0.05 >= 0.04
+    # nothing to hold it to: unpriced, a fall fell or not
+    assert judge(None, m(0.90, 0.90), 0.5) is Verdict.NOT_JUDGED
+    assert judge(None, m(0.90, 0.80), 0.5) is Verdict.NOT_JUDGED
+    assert judge({"delta_frac": 0.0}, m(0.90, 0.80), 0.5) is Verdict.NOT_JUDGED  # no fall due
+    assert judge(predicted, m(None, 0.80), 0.5) is Verdict.NOT_JUDGED   # no reading before
 
 
 def test_prefetch_decision_carries_its_prediction():
@@ -265,7 +270,7 @@ def test_decision_keeps_predicted_and_measured_through_dicts_and_pickling():
     e = shrink_effect(plan("fsdp-full", GradSync.EVERY_MICRO_BATCH), 2, 1, 0.91)
     d = Decision(Action.SHRINK_MICRO_BATCH, "why", 60, Cause.DEVICE_MEMORY, "cluster",
                  dict(e.params), 7, predicted=e.to_dict(),
-                 measured={"delta_frac": -0.05, "missed": False})
+                 measured={"delta_frac": -0.05, "verdict": "hit"})
     assert Decision.from_dict(d.to_dict()) == d
     assert pickle.loads(pickle.dumps(d)) == d
     assert d.at(70).predicted == d.predicted and d.at(70).step == 70

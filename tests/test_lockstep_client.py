@@ -31,6 +31,7 @@ def test_without_a_coordinator_steps_go_on_and_lookups_are_lazy():
     calls, clock = [], _Clock()
     client = CoordinatorClient("raytrain_guard:coordinator:x", namespace="ns", world_rank=1,
                                node_id="n1", report_every_steps=5, lookup=_absent(calls),
+                               run_lookup=lambda look_up: look_up(),
                                clock=clock, retry_after_s=5.0)
     source = LockstepDecisionSource(Lockstep(every_steps=5), client)
     for step in range(20):                         # 20 steps = 4 report batches, same instant
@@ -43,6 +44,57 @@ def test_without_a_coordinator_steps_go_on_and_lookups_are_lazy():
         source.poll(step, StepStats(step=step, total_s=0.1, world_rank=1))
     assert len(calls) == 2                         # retried once the interval had passed
     assert client.num_failures == 2
+
+
+class _Reports:
+    """Stands in for the coordinator's handle: records the steps of each report."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[int]] = []
+        reports = self
+
+        class ReportSteps:
+            def remote(self, world_rank, node_id, attempt, rows, setup, cursor, **applied):
+                reports.steps.append([row[0] for row in rows])
+                return object()
+
+        class DecisionsSince:
+            def remote(self, cursor):
+                return object()
+
+        self.report_steps, self.decisions_since = ReportSteps(), DecisionsSince()
+
+
+def test_a_lookup_that_blocks_never_holds_a_step(monkeypatch):
+    """ray.get_actor waiting on an unresponsive GCS: the steps go on at once (their reports
+    dropped), one lookup at a time; once it answers, the next report goes out."""
+    import threading
+    import time
+
+    import ray
+    release, calls, coordinator = threading.Event(), [], _Reports()
+
+    def get_actor(name, namespace=None):
+        calls.append((name, namespace))
+        release.wait(3.0)
+        return coordinator
+
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    client = CoordinatorClient("c", namespace="ns", world_rank=0, node_id="n0",
+                               report_every_steps=1, retry_after_s=0.0)
+    source = LockstepDecisionSource(Lockstep(every_steps=1), client)
+    started = time.monotonic()
+    for step in range(5):
+        assert source.poll(step, [StepStats(step=step, total_s=0.1)]) == []
+    assert time.monotonic() - started < 0.5         # not the lookup's 3 s
+    assert calls == [("c", "ns")]                   # a retry is due, but one is running
+    assert client.num_reports_dropped == 5 and not client.connected
+    release.set()
+    deadline = time.monotonic() + 5.0
+    while not client.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    source.poll(5, [StepStats(step=5, total_s=0.1)])
+    assert coordinator.steps == [[5]] and client.num_failures == 0
 
 
 def test_a_source_without_client_is_plain_lockstep():

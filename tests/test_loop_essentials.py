@@ -79,6 +79,47 @@ def test_the_scheduler_steps_per_optimizer_step_and_is_checkpointed(tmp_path):
     assert meta["extra"]["scheduler"]["last_epoch"] == 4
 
 
+def test_a_checkpoint_copy_cut_short_leaves_no_checkpoint(tmp_path, monkeypatch):
+    import shutil
+
+    loop = _loop(tmp_path, micro_batch=6, checkpoint_every_steps=2)
+    loop.run()                                      # 3 steps: checkpoints 2 and 3
+    copied, real_copytree = [], shutil.copytree
+
+    def copy_then_fail(src, dst, **kw):             # the disk fills after the first file
+        if copied:
+            raise OSError(28, "No space left on device")
+        copied.append(src)
+        return shutil.copy2(src, dst, **kw)
+
+    monkeypatch.setattr(shutil, "copytree", lambda src, dst, **kw: real_copytree(
+        src, dst, copy_function=copy_then_fail, **kw))
+    with pytest.raises(OSError, match="No space left"):
+        loop.reporter.report({"step": 9}, str(tmp_path / "checkpoint_3"))
+    assert copied and not (tmp_path / "checkpoint_9").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_2", "checkpoint_3"]
+    with loop.reporter.latest_checkpoint_dir() as latest:
+        assert latest == str(tmp_path / "checkpoint_3")
+
+
+@pytest.mark.parametrize("tear", ["no meta", "short shard"])
+def test_resume_skips_a_torn_checkpoint_for_the_newest_complete_one(tmp_path, caplog, tear):
+    from raytrain_guard.runtime.checkpoint import META_FILE
+
+    _loop(tmp_path, micro_batch=6, epochs=2, checkpoint_every_steps=2).run()    # 2, 4, 6
+    newest = tmp_path / "checkpoint_6"
+    if tear == "no meta":
+        (newest / META_FILE).unlink()
+    else:
+        shard = newest / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:100])
+    again = _loop(tmp_path, micro_batch=6, epochs=2, checkpoint_every_steps=2)
+    with caplog.at_level("WARNING"):
+        results = again.run()
+    assert results["resumed_from"] == 4 and results["step"] == 6
+    assert f"checkpoint {newest} is torn" in caplog.text
+
+
 def test_clipping_bounds_the_update(tmp_path):
     clipped = _loop(tmp_path / "a", micro_batch=6, max_grad_norm=1e-6)
     free = _loop(tmp_path / "b", micro_batch=6)

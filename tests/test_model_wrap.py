@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_world import spawn
+from gloo_world import one_rank, spawn
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.buckets import recommend_bucket_cap
@@ -303,6 +303,38 @@ def test_single_process_is_not_wrapped():
     assert planned.bucket_layout() == {}
     with planned.grad_sync(False):
         planned.module(torch.ones(1, 2)).sum().backward()
+
+
+@pytest.mark.parametrize("answer", [
+    lambda: "bucket_sizes=80",                       # not a mapping
+    lambda: {"bucket_sizes": [80]},                  # sizes not as comma-separated text
+    lambda: {"bucket_sizes": "80,abc"},              # text that is not bytes
+    lambda: (_ for _ in ()).throw(RuntimeError("reducer gone")),     # it raises
+], ids=["text", "list", "garbage", "raises"])
+def test_bucket_layout_fails_open_on_changed_ddp_logging_data(tmp_path, monkeypatch, caplog,
+                                                             answer):
+    """DDP's private logging data answering in another shape: the layout holds the cap only,
+    warned once, and the end of the run goes on."""
+    from raytrain_guard.runtime import model as model_module
+    from raytrain_guard.runtime.model import KIND_DDP, PlannedModel
+
+    monkeypatch.setattr(model_module, "_warned", set())
+    layouts = []
+
+    def body():
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        planned = PlannedModel(ddp, ddp.module, Strategy.DDP, KIND_DDP)
+        layouts.append(planned.bucket_layout())     # torch's own answer: 80 bytes, one bucket
+        monkeypatch.setattr(ddp, "_get_ddp_logging_data", answer)
+        layouts.extend(planned.bucket_layout() for _ in range(2))
+
+    with caplog.at_level("WARNING", logger=model_module.__name__):
+        one_rank(body, str(tmp_path))
+    assert layouts[0]["bucket_sizes"] == [80]        # 4 x 4 weight + 4 bias, 4 bytes each
+    cap_only = {"bucket_cap_bytes": 25 * 1024 * 1024, "gradient_as_bucket_view": False}
+    assert layouts[1:] == [cap_only, cap_only]
+    warned = [r.message for r in caplog.records if r.name == model_module.__name__]
+    assert len(warned) == 1 and "_get_ddp_logging_data" in warned[0], warned
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -157,6 +157,26 @@ def test_device_memory_rules(name, mem, setup, state, expected, release, shrink)
                               "would change the global batch; only cache releases remain"),)
 
 
+@pytest.mark.parametrize("scope", ["node:n1", "rank", "all", ""])
+def test_a_shrink_for_part_of_the_ranks_is_refused_when_it_is_decided(scope):
+    from raytrain_guard.core.decisions import Decision
+    from raytrain_guard.errors import InputError
+
+    shrink = {"action": "shrink_micro_batch", "reason": "memory", "step": 60,
+              "cause": "device_memory", "params": {"micro_batch": 4, "grad_accum": 4}}
+    with pytest.raises(InputError, match=r"^scope: a shrink_micro_batch is for every rank "
+                                         r"together \(scope 'cluster'\)"):
+        Decision(Action.SHRINK_MICRO_BATCH, "memory", 60, Cause.DEVICE_MEMORY, scope)
+    with pytest.raises(InputError, match="scope: a shrink_micro_batch"):   # off the wire too
+        Decision.from_dict({**shrink, "scope": scope})
+    cluster = Decision.from_dict({**shrink, "scope": "cluster"})
+    with pytest.raises(InputError, match="scope: a shrink_micro_batch"):   # nor re-scoped
+        dataclasses.replace(cluster, scope=scope)
+    # other actions keep their scopes
+    assert Decision(Action.SET_PREFETCH, "host", 60, Cause.HOST_MEMORY, "node:n1").scope == \
+        "node:n1"
+
+
 def test_rising_memory_stops_before_oom():
     # memory 0.80 at step 31 rising 0.01 per step -> 0.89 at step 40 (>= watermark).
     # horizon = at + K = 60 + 10 = 70; projected 0.89 + 0.01 x (70 - 40) = 1.19 >= 0.98

@@ -9,7 +9,7 @@ with).
   critical (90 %). The coordinator prices a shrink 8 x 1 -> 4 x 2 with the memory model
   (predicted under the re-arm line), decides it, both ranks apply it at one agreed step, the
   card's reading falls by the activations of 4 samples (about a third of it), the coordinator
-  measures that against its prediction (not missed), and the run finishes both epochs with
+  measures that against its prediction (a hit), and the run finishes both epochs with
   every sample once per epoch.
 * **FSDP with last-micro-batch gradient sync, the shrink is refused.** The toy MLP's gradients
   outweigh its activations: 4 x 2 keeps the first micro-batch's unsharded gradients alive
@@ -164,7 +164,7 @@ def test_the_coordinator_measures_the_effect_against_its_prediction(ddp_run):
     effect = next(d for d in summary.coordinator["effects"]
                   if d["action"] == "shrink_micro_batch")
     measured = effect["measured"]
-    assert measured["missed"] is False
+    assert measured["verdict"] == "hit"
     # from the step the ranks applied it at (the lockstep's agreement step when the decision
     # reached them after the step it asked for), over the 20 steps after it
     applied = next(d for d in summary.decisions if d["action"] == "shrink_micro_batch")

@@ -208,7 +208,8 @@ def test_client_sends_the_current_setup_with_each_report():
     coordinator = _Coordinator()
     layout = {"micro_batch": 8, "grad_accum": 2, "prefetch_factor": 4}
     client = CoordinatorClient("c", namespace="ns", world_rank=1, node_id="n1",
-                               report_every_steps=2, lookup=lambda name, ns: coordinator)
+                               report_every_steps=2, lookup=lambda name, ns: coordinator,
+                               run_lookup=lambda look_up: look_up())
     source = LockstepDecisionSource(Lockstep(every_steps=100), client)
     source.bind_setup(lambda: dict(layout))
     client.record([StepStats(step=0, total_s=0.1, world_rank=1),
@@ -229,9 +230,40 @@ def test_client_reports_without_setup_when_it_fails():
         raise RuntimeError("loader gone")
     client = CoordinatorClient("c", namespace="ns", world_rank=0, node_id="n1",
                                report_every_steps=1, lookup=lambda name, ns: coordinator,
+                               run_lookup=lambda look_up: look_up(),
                                setup=broken)
     client.record(StepStats(step=0, total_s=0.1, world_rank=0))
     assert coordinator.reports[0][4] is None and client.connected and client.num_failures == 0
+
+
+def test_a_scripted_shrink_for_one_node_is_refused_when_scripted():
+    from raytrain_guard.errors import InputError
+    node_shrink = dict(_shrink(4), scope="node:n1")
+    with pytest.raises(InputError, match=r"^script\[1\]\[1\]\.scope: a shrink_micro_batch is "
+                                         r"for every rank together"):
+        ScriptedDecisionSource({0: [(2, _shrink(4))], 1: [(2, _shrink(4)), (3, node_shrink)]})
+    with pytest.raises(InputError, match=r"^script\[0\]\[0\]: is not a decision"):
+        ScriptedDecisionSource({0: [(2, {"action": "grow"})]})
+
+
+def test_a_node_scoped_shrink_from_the_coordinator_is_dropped_by_every_rank(caplog):
+    """A coordinator that sent a shrink for one node's ranks: the client drops it on every
+    rank alike, before the lockstep (its collective is never started by some ranks only);
+    the other decisions of the fetch go on."""
+    release = Decision(Action.RELEASE_CACHE, "hot", 8, Cause.DEVICE_MEMORY, "cluster",
+                       decision_id=3).to_dict()
+
+    class Fetched(CoordinatorClient):
+        def _ready_results(self):
+            return [dict(_shrink(8, decision_id=2), scope="node:n1"), release]
+
+    client = Fetched("c", namespace="ns", world_rank=0, node_id="n1", report_every_steps=2,
+                     lookup=lambda name, ns: None, run_lookup=lambda look_up: None)
+    client._fetch = object()                         # a fetch is out
+    with caplog.at_level("WARNING"):
+        decisions = client.poll_decisions()
+    assert [d.decision_id for d in decisions] == [3]
+    assert "ignoring an unreadable decision" in caplog.text and "scope 'cluster'" in caplog.text
 
 
 def test_cluster_source_keeps_the_setup_for_the_client_it_builds():

@@ -144,7 +144,8 @@ def _stop(step: int | None) -> Decision:
 def test_stats_are_read_every_report_period_and_none_is_lost(tmp_path):
     coordinator = FakeCoordinator()
     client = AnsweredClient("c", namespace="ns", world_rank=0, node_id="n0",
-                           report_every_steps=N, lookup=lambda name, ns: coordinator)
+                           report_every_steps=N, lookup=lambda name, ns: coordinator,
+                           run_lookup=lambda look_up: look_up())
     exchange = CountingExchange()
     source = RecordingSource(LockstepDecisionSource(CountingLockstep(K, exchange), client))
     loop = _run(tmp_path, source)

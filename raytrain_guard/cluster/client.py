@@ -3,9 +3,11 @@
 :class:`CoordinatorClient` runs in every training worker and never blocks a step: step figures
 go to the coordinator in batched fire-and-forget calls, decisions come back through
 ``ray.wait(timeout=0)`` only at the lockstep's agreement steps, and any failure drops the
-handle (looked up again at most once per ``coordinator_retry_s``) while training goes on under
-the local gate rules. :class:`LockstepDecisionSource` is the train loop's ``decision_source``
-seam, handing fetched decisions to :class:`~raytrain_guard.cluster.lockstep.Lockstep`;
+handle while training goes on under the local gate rules. The name lookup (``ray.get_actor``,
+which waits on the GCS) runs on a thread of its own, at most once per ``coordinator_retry_s``:
+the step path only reads a handle that is there or not. :class:`LockstepDecisionSource` is the
+train loop's ``decision_source`` seam, handing fetched decisions to
+:class:`~raytrain_guard.cluster.lockstep.Lockstep`;
 :class:`ClusterDecisionSource` is the picklable one the launcher ships to every worker. The
 attempt agreement, the coordinator methods used and the hang report: docs/coordination.md.
 """
@@ -22,6 +24,7 @@ from raytrain_guard.cluster.lockstep import Lockstep, is_agreement_step
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Decision
 from raytrain_guard.core.steps import StepStats
+from raytrain_guard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +53,25 @@ def lookup_actor(name: str, namespace: str | None) -> Any:
     return ray.get_actor(name, namespace=namespace)
 
 
+def on_daemon_thread(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on a daemon thread of its own (where :class:`CoordinatorClient` looks the
+    coordinator up, off the step path)."""
+    threading.Thread(target=fn, name="raytrain-guard-coordinator-lookup", daemon=True).start()
+
+
 class CoordinatorClient:
-    """One rank's link to the coordinator: batched reports out, decisions in, never blocking."""
+    """One rank's link to the coordinator: batched reports out, decisions in, never blocking.
+
+    ``lookup`` finds the coordinator by name; ``run_lookup`` runs it off the step path (on a
+    daemon thread by default; ``lambda fn: fn()`` runs it in place, for an instant lookup in a
+    test). The first lookup starts when the client is built, so the handle is usually there
+    by the first report; a report while none is there is dropped and counted."""
 
     def __init__(self, name: str, *, namespace: str | None, world_rank: int, node_id: str,
                  report_every_steps: int, attempt: int = 0,
                  setup: Callable[[], Mapping[str, Any]] | None = None,
                  lookup: Callable[[str, str | None], Any] = lookup_actor,
+                 run_lookup: Callable[[Callable[[], None]], None] = on_daemon_thread,
                  clock: Callable[[], float] = time.monotonic,
                  retry_after_s: float | None = None) -> None:
         self.name = name
@@ -67,10 +82,12 @@ class CoordinatorClient:
         self.attempt = attempt
         self.setup = setup
         self.lookup = lookup
+        self.run_lookup = run_lookup
         self.clock = clock
         self.retry_after_s = (GuardConfig().coordinator_retry_s if retry_after_s is None
                               else retry_after_s)
-        self._handle: Any = None
+        self._handle: Any = None                # set by the lookup, read by the step path
+        self._looking_up = False                # a lookup is running
         self._next_lookup_at = float("-inf")
         self._buffer: list[StepStats] = []
         self._reports: list[Any] = []           # refs of unanswered report_steps calls
@@ -82,6 +99,7 @@ class CoordinatorClient:
         self.num_reports_dropped = 0
         self.num_failures = 0
         self._warned = False
+        self._start_lookup()
 
     @property
     def connected(self) -> bool:
@@ -200,18 +218,35 @@ class CoordinatorClient:
         return []
 
     def _connect(self) -> Any:
-        if self._handle is not None:
-            return self._handle
+        """The coordinator's handle, or None while no lookup has found it (a due lookup is
+        started, off the step path: its handle serves the next report). Never waits."""
+        if self._handle is None:
+            self._start_lookup()
+        return self._handle
+
+    def _start_lookup(self) -> None:
         now = self.clock()
-        if now < self._next_lookup_at:
-            return None
+        if self._looking_up or now < self._next_lookup_at:
+            return
         self._next_lookup_at = now + self.retry_after_s
+        self._looking_up = True
         try:
-            self._handle = self.lookup(self.name, self.namespace)
+            self.run_lookup(self._look_up)
+        except Exception as exc:  # noqa: BLE001 - fail open (no thread to be had)
+            self._looking_up = False
+            self._note_failure(exc)
+
+    def _look_up(self) -> None:
+        """Where ``run_lookup`` puts it (a thread of its own): the handle found, or the failure
+        counted; the step path reads ``_handle`` only."""
+        try:
+            handle = self.lookup(self.name, self.namespace)
             logger.info("rank %d: connected to coordinator %s", self.world_rank, self.name)
+            self._handle = handle
         except Exception as exc:  # noqa: BLE001 - fail open
             self._note_failure(exc)
-        return self._handle
+        finally:
+            self._looking_up = False
 
     def report_hang(self, record: Mapping[str, Any],
                     timeout_s: float = HANG_REPORT_TIMEOUT_S) -> dict[str, Any] | None:
@@ -411,12 +446,17 @@ class ScriptedDecisionSource:
     loop applies it at the decision's own ``step`` (or at once when it has none or it is past),
     so a decision handed to the ranks at different steps but carrying one ``step`` is applied
     in lockstep, which is what :class:`LockstepDecisionSource` guarantees for real. Picklable;
-    the rank is read from the worker context on the first poll.
+    the rank is read from the worker context on the first poll. Every scripted decision is
+    read when the script is given: one that is no decision (a shrink for one node's ranks
+    included) raises an InputError naming its entry.
     """
 
     def __init__(self, script: Mapping[int, Sequence[tuple[int, Mapping[str, Any]]]]) -> None:
         self.script = {int(rank): [(int(at), dict(d)) for at, d in entries]
                        for rank, entries in script.items()}
+        for rank, entries in self.script.items():
+            for index, (_, d) in enumerate(entries):
+                _scripted_decision(f"script[{rank}][{index}]", d)
         self.world_rank: int | None = None
         self.setups: list[tuple[int, dict[str, Any]]] = []   # (step, setup) seen at each poll
         self._setup: Callable[[], Mapping[str, Any]] | None = None
@@ -432,6 +472,18 @@ class ScriptedDecisionSource:
             self.setups.append((step, dict(self._setup())))
         return [Decision.from_dict(d) for at, d in self.script.get(self.world_rank, ())
                 if at == step]
+
+
+def _scripted_decision(field: str, d: Mapping[str, Any]) -> Decision:
+    """``d`` as a Decision, or an InputError naming ``field`` (the script's entry)."""
+    try:
+        return Decision.from_dict(d)
+    except InputError as err:
+        raise InputError(f"{field}.{err.field}", err.problem, value=err.value,
+                         fix=err.fix) from None
+    except (KeyError, ValueError, TypeError) as err:
+        raise InputError(field, f"is not a decision ({err!r})", value=dict(d),
+                         fix="script Decision.to_dict() forms") from None
 
 
 class _NoDecisions:

@@ -2,9 +2,11 @@
 
 A release, shrink, prefetch change or pacing decision is measured once every rank has reported
 ``decision_cooldown_steps`` steps after the step the ranks applied it at: medians over those
-steps against the same number of steps before it was decided. One whose memory fell by less
-than ``effect_min_share`` of its prediction goes into the policy's ``missed`` set, so it is not
-repeated for that cause and the policy escalates."""
+steps against the same number of steps before it was decided, judged against its prediction
+(:func:`~raytrain_guard.core.effects.judge`). A miss (memory fell by less than
+``effect_min_share`` of the prediction) goes into the policy's ``missed`` set, so it is not
+repeated for that cause and the policy escalates; a cache release that hit re-arms releases; a
+decision without a prediction is measured but not judged, and changes nothing in the policy."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from collections.abc import Mapping
 from raytrain_guard.cluster.coordinator_reports import NodeSamples, RankWindow
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Decision
-from raytrain_guard.core.effects import measure, missed
+from raytrain_guard.core.effects import Verdict, judge, measure
 from raytrain_guard.core.policy import ClusterView, PolicyState, missed_key
 from raytrain_guard.core.steps import StepStats
 
@@ -77,8 +79,9 @@ class EffectMeter:
     def measure_due(self, ranks: Mapping[int, RankWindow], nodes: NodeSamples,
                     state: PolicyState) -> tuple[PolicyState, list[Decision]]:
         """Measure every pending action whose window after its apply step every rank has
-        reported. Returns the policy state (a miss added to ``missed``, a release that worked
-        re-arms releases) and the measured decisions, each with ``measured`` set."""
+        reported. Returns the policy state (a miss added to ``missed``, a release that hit
+        re-arms releases, a decision not judged changes nothing) and the measured decisions,
+        each with ``measured`` set (its ``verdict``: hit, miss or not_judged)."""
         if not self.pending or not ranks:
             return state, []
         reported = min(e.last_step for e in ranks.values())
@@ -98,8 +101,7 @@ class EffectMeter:
                 host = (pending.host_before, sample.host.memory_used_frac)
             try:
                 result = measure(pending.before, after, host)
-                miss = result is not None and missed(d.predicted, result,
-                                                     self.config.effect_min_share)
+                verdict = judge(d.predicted, result, self.config.effect_min_share)
             except Exception:   # one bad record costs its own measurement only
                 logger.exception("[run %s] decision #%d: effect not measured", self.run_id,
                                  d.decision_id)
@@ -107,10 +109,10 @@ class EffectMeter:
             if result is None:
                 continue
             done.append(dataclasses.replace(
-                d, measured=dict(result.to_dict(), missed=miss, applied_at=start)))
-            if d.action is Action.RELEASE_CACHE and not miss:
+                d, measured=dict(result.to_dict(), verdict=verdict.value, applied_at=start)))
+            if d.action is Action.RELEASE_CACHE and verdict is Verdict.HIT:
                 state = dataclasses.replace(state, release_armed=True)
-            if miss:
+            if verdict is Verdict.MISS:
                 key = missed_key(d)
                 state = dataclasses.replace(state, missed=state.missed | {key})
                 logger.warning("[run %s] decision #%d %s missed its prediction (memory "

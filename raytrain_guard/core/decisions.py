@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain_guard.errors import InputError
+
 
 class Action(str, enum.Enum):
     """What a decision asks the adapters to do."""
@@ -34,19 +36,37 @@ class Cause(str, enum.Enum):
     UNKNOWN = "unknown"
 
 
+CLUSTER_WIDE_ACTIONS = frozenset({Action.SHRINK_MICRO_BATCH})
+"""Actions every rank applies together or none does, so their scope is always ``"cluster"``: a
+shrink rebuilds each rank's loader and then agrees in one collective of all ranks (a decision
+for one node's ranks, or one rank's, would leave that collective waiting for the others)."""
+
+
+def scope_refusal(action: Action, scope: str) -> str | None:
+    """Why ``action`` cannot be decided for ``scope``, or None (pure). Example:
+    (SHRINK_MICRO_BATCH, "node:n2") -> refused; (SHRINK_MICRO_BATCH, "cluster") -> None."""
+    if action in CLUSTER_WIDE_ACTIONS and scope != "cluster":
+        return (f"a {action.value} is for every rank together (scope 'cluster'), not "
+                f"{scope!r}: its loaders agree in one collective of all ranks, which the ranks "
+                f"left out would never join")
+    return None
+
+
 @dataclass(frozen=True)
 class Decision:
     """One action with its reason.
 
     ``step`` is the step boundary at which every rank concerned applies it (``None``: the next
     boundary of the rank that made it, for purely local decisions). ``scope`` is ``"rank"``,
-    ``"node:<node id>"`` or ``"cluster"``.
+    ``"node:<node id>"`` or ``"cluster"``; a shrink is always ``"cluster"`` (any other scope
+    raises an InputError when the decision is made: :func:`scope_refusal`).
 
     ``predicted``: what the policy expected of the action before deciding it
     (``core.effects.Effect.to_dict()``: ``memory_frac_before``, ``memory_frac_after``,
     ``delta_frac``, ``cost_frac``, ``basis``), None when it was not priced. ``measured``: what
     the coordinator measured over the window after the apply step (``core.effects.Measured.
-    to_dict()``, with ``missed``), None until then.
+    to_dict()``, with ``verdict``: ``hit``, ``miss``, or ``not_judged`` when there was no
+    prediction to hold it to), None until then.
     """
 
     action: Action
@@ -58,6 +78,12 @@ class Decision:
     decision_id: int = 0
     predicted: Mapping[str, Any] | None = None
     measured: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        refusal = scope_refusal(self.action, self.scope)
+        if refusal is not None:
+            raise InputError("scope", refusal, value=self.scope,
+                             fix=f"decide a {self.action.value} with scope 'cluster'")
 
     def at(self, step: int) -> Decision:
         """The same decision, scheduled at ``step``."""

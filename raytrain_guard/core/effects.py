@@ -4,14 +4,15 @@ Every candidate memory action of the coordinator's policy is priced with the pla
 memory model (:func:`raytrain_guard.core.memory_model.estimate`) on the run's plan
 (:class:`RunPlan`) as an :class:`Effect`: the memory fraction predicted after it (a delta on the
 current reading, so a constant error of the model cancels) and the throughput it costs. After
-it applies, :func:`measure` and :func:`missed` say whether it did at least
-``effect_min_share`` of its prediction. Why deltas, and a worked shrink under FSDP:
-docs/memory_model.md ("Pricing an action").
+it applies, :func:`measure` and :func:`judge` say whether it did at least
+``effect_min_share`` of its prediction (hit, miss, or not judged when it had none). Why deltas,
+and a worked shrink under FSDP: docs/memory_model.md ("Pricing an action").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -277,19 +278,28 @@ def measure(before: Mapping[int, Sequence[StepStats]],
                     statistics.median(s.data_wait_s for s in a), len(b), len(a))
 
 
-def missed(predicted: Effect | Mapping[str, Any] | None, measured: Measured | None,
-           min_share: float) -> bool:
-    """Whether the measured memory change is below ``min_share`` of the predicted one (both
-    as a fall of the fraction). An action with no prediction or no memory measurement did
-    not miss (nothing to hold it to). Example: predicted -0.08, measured -0.01, share 0.5 ->
-    0.01 < 0.04: missed."""
+class Verdict(str, enum.Enum):
+    """What a measured action is judged against its prediction."""
+
+    HIT = "hit"                  # the memory fell by at least effect_min_share of the prediction
+    MISS = "miss"                # it fell by less
+    NOT_JUDGED = "not_judged"    # nothing to hold it to: no prediction, no predicted fall, or
+                                 # no memory reading on either side
+
+
+def judge(predicted: Effect | Mapping[str, Any] | None, measured: Measured | None,
+          min_share: float) -> Verdict:
+    """Hit when the measured memory change is at least ``min_share`` of the predicted one
+    (both as a fall of the fraction), miss when it is below; not judged when the action had no
+    prediction, was not predicted to free anything, or has no memory measurement. Example:
+    predicted -0.08, measured -0.01, share 0.5 -> 0.01 < 0.04: miss; measured -0.05: hit."""
     if predicted is None or measured is None or measured.delta_frac is None:
-        return False
+        return Verdict.NOT_JUDGED
     want = -(predicted.delta_frac if isinstance(predicted, Effect)
              else float(predicted["delta_frac"]))
     if want <= 0:
-        return False
-    return -measured.delta_frac < min_share * want
+        return Verdict.NOT_JUDGED
+    return Verdict.MISS if -measured.delta_frac < min_share * want else Verdict.HIT
 
 
 def _mib(n: float, sign: bool = False) -> str:

@@ -26,6 +26,14 @@ from typing import Any
 from raytrain_guard.errors import InputError
 
 logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
 
 STATE_FILE = "train_state.pt"
 FORMAT_VERSION = 2            # 2: RNG states stored loadable with weights_only=True
@@ -262,8 +270,9 @@ def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
     state, losses, extra), gathered with one small ``all_gather_object``. A collective: every
     rank calls it, each with a directory of its own or a shared one (Ray Train merges the
     ranks' directories of one report). No rank holds more than its shard. The optimizer is
-    written per parameter (:data:`OPTIMIZER_LAYOUT`). Returns the meta (every rank's view)."""
-    import torch
+    written per parameter (:data:`OPTIMIZER_LAYOUT`). A meta that would not load with
+    ``weights_only=True`` raises an InputError naming its entry on every rank, before anything
+    is written. Returns the meta (every rank's view)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -282,18 +291,64 @@ def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
         state["optimizer"] = get_optimizer_state_dict(
             planned.module, optimizer,
             options=StateDictOptions(flatten_optimizer_state_dict=True))
-    os.makedirs(directory, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(directory), no_dist=not distributed)
     meta = {"format_version": SHARDED_FORMAT_VERSION, "step": int(step),
             "world_size": world_size, "strategy": planned.strategy.value,
             "optimizer_layout": OPTIMIZER_LAYOUT, "loader": dict(loader_state),
             **_rank_states(guard_state, loss),
             "extra": dict(extra or {})}
+    meta_bytes = _safe_meta_bytes(meta)     # every rank: a meta that would not load fails all
+    os.makedirs(directory, exist_ok=True)
+    dcp.save(state, checkpoint_id=str(directory), no_dist=not distributed)
     if rank == 0:
         tmp = os.path.join(directory, META_FILE + ".tmp")
-        torch.save(meta, tmp)
+        with open(tmp, "wb") as fh:
+            fh.write(meta_bytes)
         os.replace(tmp, os.path.join(directory, META_FILE))
     return meta
+
+
+def _safe_meta_bytes(meta: Mapping[str, Any]) -> bytes:
+    """``meta`` serialized with ``torch.save``, after checking that it loads back with
+    ``weights_only=True`` (what :func:`read_meta` does at resume): a meta holding anything but
+    tensors, numbers, strings and their containers raises an InputError naming the entry now,
+    at save time, instead of a checkpoint that no resume can read."""
+    import io
+
+    import torch
+
+    def serialized(value: Any) -> tuple[bytes, str | None]:
+        """``value`` saved, and why it cannot be saved or loaded back (None: it can)."""
+        buffer = io.BytesIO()
+        try:
+            torch.save(value, buffer)
+            torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any refusal is the same user error
+            return b"", _load_error(exc)
+        return buffer.getvalue(), None
+
+    data, problem = serialized(dict(meta))
+    if problem is None:
+        return data
+    entry, value = "meta", dict(meta)
+    while isinstance(value, Mapping):       # down to the entry that is refused by itself
+        child = next(((k, v) for k, v in value.items() if serialized(v)[1] is not None), None)
+        if child is None:
+            break
+        entry = str(child[0]) if entry == "meta" else f"{entry}.{child[0]}"
+        value = child[1]
+    raise InputError(entry, f"would make {META_FILE} unreadable at resume: it does not save "
+                     f"and load back with weights_only=True ({problem})",
+                     value=type(value).__name__,
+                     fix="keep loader state, guard state and extra to tensors, numbers, "
+                         "strings and lists, tuples or dicts of them")
+
+
+def _load_error(exc: BaseException) -> str:
+    """The line of a failed ``torch.load`` that says why (torch's message runs to many lines)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    reason = next((line for line in lines if "Unpickler error" in line),
+                  lines[0] if lines else type(exc).__name__)
+    return reason[:160]
 
 
 def load_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any, *,
@@ -338,6 +393,26 @@ def load_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
     return meta
 
 
+def is_complete(directory: str | os.PathLike[str]) -> bool:
+    """Whether ``directory`` holds a whole :func:`save_sharded` checkpoint: its meta file, and
+    every shard file its ``torch.distributed.checkpoint`` metadata names, at least as long as
+    the entries it holds there. A copy cut short (a torn checkpoint) lacks one of them."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isfile(os.path.join(directory, META_FILE)):
+        return False
+    try:
+        storage = FileSystemReader(str(directory)).read_metadata().storage_data
+        ends: dict[str, int] = {}
+        for info in storage.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                           info.offset + info.length)
+    except Exception:  # noqa: BLE001 - no metadata, or one that does not read: not whole
+        return False
+    return all(os.path.isfile(path := os.path.join(directory, name))
+               and os.path.getsize(path) >= end for name, end in ends.items())
+
+
 def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The meta file of :func:`save_sharded` (``weights_only=True``: tensors, numbers, strings)."""
     import torch
@@ -345,7 +420,16 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not os.path.exists(path):
         raise InputError("checkpoint", f"has no {META_FILE}", value=str(directory),
                          fix="resume only from checkpoints written by the raytrain_guard loop")
-    meta = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        meta = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torn, truncated or unsafe: the same user error
+        raise InputError("checkpoint", f"{META_FILE} cannot be read with weights_only=True "
+                         f"({_load_error(exc)})", value=path,
+                         fix="resume from another checkpoint (this file is torn or was not "
+                             "written by raytrain_guard's save_sharded)") from None
+    if not isinstance(meta, Mapping):
+        raise InputError("checkpoint", f"{META_FILE} holds no meta dict", value=path,
+                         fix="resume only from checkpoints written by the raytrain_guard loop")
     if meta.get("format_version") != SHARDED_FORMAT_VERSION:
         raise InputError("checkpoint", "unknown format version", value=meta.get("format_version"),
                          fix=f"write it with this version of raytrain_guard "
@@ -377,13 +461,65 @@ def _safe_load_planner() -> Any:
 def _param_names(module: Any) -> dict[Any, str]:
     """Parameter -> its name in ``get_model_state_dict`` (DDP's ``module.``, torch.compile's and
     activation checkpointing's prefixes left out), the key its optimizer state is written under
-    by ``get_optimizer_state_dict``: the same naming, so every strategy reads the others'."""
-    from torch.distributed.checkpoint.state_dict import _get_fqns
+    by ``get_optimizer_state_dict``: the same naming, so every strategy reads the others'.
 
+    torch names them with its private ``_get_fqns``; where this torch has none, or it answers
+    with anything but one name, :func:`_unwrapped_name` gives the name (warned once): the same
+    names for a plain, DDP-wrapped or compiled module."""
+    get_fqns = _torch_get_fqns()
+    if get_fqns is None:
+        _warn_once("_get_fqns", "this torch has no torch.distributed.checkpoint.state_dict."
+                   "_get_fqns: checkpoint names of the optimizer state come from the module "
+                   "path (DDP's 'module.' and torch.compile's '_orig_mod.' left out)")
     names: dict[Any, str] = {}
     for name, param in module.named_parameters():
-        names.setdefault(param, next(iter(_get_fqns(module, name))))
+        if param not in names:
+            names[param] = _torch_name(get_fqns, module, name) or _unwrapped_name(module, name)
     return names
+
+
+def _torch_name(get_fqns: Any, module: Any, name: str) -> str | None:
+    """The one name ``get_fqns(module, name)`` answers; None without ``get_fqns``, or (warned
+    once) when it raises or answers anything but one name: a changed private API."""
+    if get_fqns is None:
+        return None
+    try:
+        fqns = get_fqns(module, name)
+    except Exception as exc:  # noqa: BLE001 - a changed private API: fall back
+        fqns = exc
+    if isinstance(fqns, (set, frozenset, list, tuple)) and len(fqns) == 1:
+        fqn = next(iter(fqns))
+        if isinstance(fqn, str) and fqn:
+            return fqn
+    _warn_once("_get_fqns", f"torch.distributed.checkpoint.state_dict._get_fqns answered "
+               f"{type(fqns).__name__} ({str(fqns)[:80]}), not one name: checkpoint names of "
+               f"the optimizer state come from the module path (DDP's 'module.' and "
+               f"torch.compile's '_orig_mod.' left out)")
+    return None
+
+
+def _torch_get_fqns() -> Any:
+    """torch's private ``torch.distributed.checkpoint.state_dict._get_fqns``, or None."""
+    from torch.distributed.checkpoint import state_dict
+    return getattr(state_dict, "_get_fqns", None)
+
+
+def _unwrapped_name(module: Any, name: str) -> str:
+    """``name`` (from ``module.named_parameters()``) without the wrappers' parts that
+    ``get_model_state_dict`` leaves out: a DDP wrapper's ``module``, torch.compile's
+    ``_orig_mod`` and activation checkpointing's ``_checkpoint_wrapped_module``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    kept = []
+    node = module
+    for part in name.split("."):
+        wrapper = (part == "module" and isinstance(node, DistributedDataParallel)) or \
+            (part == "_orig_mod" and type(node).__name__ == "OptimizedModule") or \
+            part == "_checkpoint_wrapped_module"
+        if not wrapper:
+            kept.append(part)
+        node = getattr(node, part, None)
+    return ".".join(kept)
 
 
 def _zero_partition(module: Any, zero: Any) -> dict[str, Any]:

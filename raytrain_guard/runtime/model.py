@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +24,9 @@ logger = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
         logger.warning(message)
 
 #: How the module ended up wrapped.
@@ -94,7 +94,8 @@ class PlannedModel:
         ``bucket_cap_bytes`` is ``DistributedDataParallel.bucket_bytes_cap``; ``bucket_sizes``
         the bytes of each bucket as last built (after the first iteration DDP rebuilds them in
         the order gradients became ready). The sizes come from DDP's logging data, which torch
-        exposes only privately: without it (another torch) they are left out, warned once.
+        exposes only privately: without it (another torch), or when it raises or answers in
+        another shape, they are left out, warned once.
         """
         if self.kind != KIND_DDP:
             return {}
@@ -104,20 +105,36 @@ class PlannedModel:
                                                     self.gradient_as_bucket_view))}
         logging_data = getattr(self.module, "_get_ddp_logging_data", None)
         if logging_data is None:
-            _warn_once("DistributedDataParallel has no _get_ddp_logging_data in this torch: "
-                       "the bucket layout holds the cap only")
+            _warn_once("ddp_logging_data", "DistributedDataParallel has no "
+                       "_get_ddp_logging_data in this torch: the bucket layout holds the cap "
+                       "only")
             return layout
-        data = logging_data()
-        sizes_text = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
-        sizes = [int(s) for s in sizes_text.replace(" ", "").split(",") if s]
-        return {**layout, "bucket_sizes": sizes, "num_buckets": len(sizes),
-                "has_rebuilt_buckets": bool(data.get("has_rebuilt_buckets", 0))}
+        try:
+            return {**layout, **_bucket_sizes(logging_data())}
+        except Exception as exc:  # noqa: BLE001 - a changed private API: the cap only
+            _warn_once("ddp_logging_data", f"DistributedDataParallel._get_ddp_logging_data "
+                       f"failed or answered in another shape ({exc!r}): the bucket layout "
+                       f"holds the cap only")
+            return layout
 
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.strategy.value, "kind": self.kind,
                 "bucket_cap_mb": self.bucket_cap_mb,
                 "fsdp_grad_sync": self.fsdp_grad_sync.value,
                 "gradient_as_bucket_view": self.gradient_as_bucket_view, **self.applied}
+
+
+def _bucket_sizes(data: Any) -> dict[str, Any]:
+    """The buckets in DDP's logging data (a mapping; ``bucket_sizes`` and, once rebuilt,
+    ``rebuilt_bucket_sizes`` as comma-separated bytes); raises on any other shape."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"logging data is a {type(data).__name__}, not a mapping")
+    text = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+    if not isinstance(text, str):
+        raise TypeError(f"bucket sizes are a {type(text).__name__}, not text")
+    sizes = [int(s) for s in text.replace(" ", "").split(",") if s]
+    return {"bucket_sizes": sizes, "num_buckets": len(sizes),
+            "has_rebuilt_buckets": bool(data.get("has_rebuilt_buckets", 0))}
 
 
 def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,

@@ -6,10 +6,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.runtime.checkpoint import META_FILE, is_complete
 
 logger = logging.getLogger("raytrain_guard.runtime.train_loop")
 
@@ -32,23 +36,59 @@ class RayTrainReporter:
 
 
 class DirectoryReporter:
-    """Outside Ray: checkpoints go to ``root/checkpoint_<step>``; results are kept in memory."""
+    """Outside Ray: checkpoints go to ``root/checkpoint_<step>``; results are kept in memory.
+
+    A checkpoint is copied under a temporary name next to its place and renamed into it; the
+    ranks of one step that share ``root`` merge their parts file by file, each rank's meta file
+    last. A copy cut short leaves no ``checkpoint_<step>``, or one that is not complete: resume
+    takes the newest complete one (:func:`~raytrain_guard.runtime.checkpoint.is_complete`: its
+    meta file and every shard file its metadata names), skipping torn ones with a warning."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         self.reports: list[dict[str, Any]] = []
 
     def latest_checkpoint_dir(self) -> contextlib.AbstractContextManager[str | None]:
-        found = sorted((d for d in os.listdir(self.root) if d.startswith("checkpoint_")),
-                       key=lambda d: int(d.split("_")[1])) if os.path.isdir(self.root) else []
-        return contextlib.nullcontext(os.path.join(self.root, found[-1]) if found else None)
+        names = os.listdir(self.root) if os.path.isdir(self.root) else []
+        steps = sorted(((int(m.group(1)), n) for n in names
+                        if (m := _CHECKPOINT_NAME.fullmatch(n))), reverse=True)
+        for _, name in steps:
+            path = os.path.join(self.root, name)
+            if is_complete(path):
+                return contextlib.nullcontext(path)
+            logger.warning("checkpoint %s is torn (no meta file, or a shard missing or short): "
+                           "skipped, resuming from an older one", path)
+        return contextlib.nullcontext(None)
 
     def report(self, metrics: Mapping[str, Any], checkpoint_dir: str | None) -> None:
         self.reports.append(dict(metrics))
         if checkpoint_dir is not None:
-            import shutil
-            target = os.path.join(self.root, f"checkpoint_{metrics['step']}")
-            shutil.copytree(checkpoint_dir, target, dirs_exist_ok=True)
+            _copy_into_place(checkpoint_dir,
+                             os.path.join(self.root, f"checkpoint_{metrics['step']}"))
+
+
+_CHECKPOINT_NAME = re.compile(r"checkpoint_(\d+)")
+
+
+def _copy_into_place(source: str, target: str) -> None:
+    """Copy the directory ``source`` to ``target`` so that ``target`` never holds part of one
+    file: copied under a temporary name in ``target``'s folder (the same file system), then
+    renamed; when ``target`` already holds another rank's part, each file is moved in with
+    ``os.replace``, the meta file last."""
+    parent, name = os.path.split(target)
+    os.makedirs(parent or ".", exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=parent or ".")
+    try:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        try:
+            os.rename(tmp, target)          # atomic; fails when target holds files already
+            return
+        except OSError:
+            pass
+        for entry in sorted(os.listdir(tmp), key=lambda n: n == META_FILE):
+            os.replace(os.path.join(tmp, entry), os.path.join(target, entry))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _NoMetrics:
