@@ -11,7 +11,13 @@ import pytest
 
 from raytrain_guard.cli import main
 from raytrain_guard.cluster import metrics
-from raytrain_guard.cluster.grafana import RAY_PREFIX, dashboard, queried_metrics, series
+from raytrain_guard.cluster.grafana import (
+    GPU_PANELS,
+    RAY_PREFIX,
+    dashboard,
+    queried_metrics,
+    series,
+)
 
 
 def _exprs(model):
@@ -70,6 +76,52 @@ def test_decisions_are_annotations():
     assert {series("raytrain_guard_decisions_total"),
             series("raytrain_guard_rank_decisions_total")} <= {
         m for a in annotations for m in re.findall(r"ray_raytrain_guard_\w+", a["expr"])}
+
+
+def _panel_metrics(panel):
+    return {m for t in panel["targets"] for m in re.findall(r"\bray_(raytrain_guard_\w+)",
+                                                            t["expr"])}
+
+
+def test_hangs_and_worker_and_loader_private_memory_are_on_panels():
+    on_panels = {m for p in dashboard()["panels"] if p["type"] != "row"
+                 for m in _panel_metrics(p)}
+    assert {metrics.HANGS, metrics.WORKER_PRIVATE, metrics.LOADER_PRIVATE,
+            metrics.STRAGGLER_CAUSE} <= on_panels
+
+
+def test_gpu_panels_are_the_ones_that_read_nvml_and_say_so():
+    nvml = set(metrics.GPU_GAUGES.values()) | {metrics.GPU_THROTTLED}
+    panels = [p for p in dashboard()["panels"] if p["type"] != "row"]
+    assert {p["title"] for p in panels if _panel_metrics(p) & nvml} == set(GPU_PANELS)
+    for panel in panels:
+        assert ("Needs a GPU" in panel["description"]) == (panel["title"] in GPU_PANELS), \
+            panel["title"]
+    # the node variable takes its values from a series every node monitor sets, GPU or not
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert metrics.GPU_MONITORING in variables["node"]["definition"]
+    assert not any(name in variables["node"]["definition"] for name in nvml)
+
+
+def test_counters_count_their_first_increment():
+    # Ray exports a counter from its first increment on (at 1): increase()/changes() over a
+    # window holding that first sample read it as no change; the dashboard subtracts the value
+    # a window ago, or 0 where the series did not exist yet
+    model = dashboard()
+    exprs = _exprs(model) + [a["expr"] for a in model["annotations"]["list"]]
+    counters = [RAY_PREFIX + n for n, (kind, _) in metrics.EXPORTED.items() if kind == "counter"]
+    counted = [e for e in exprs if any(c in e for c in counters)]
+    assert len(counted) >= 5          # decisions x 2, rank decisions x 2, hangs
+    for expr in counted:
+        assert not re.search(r"\b(increase|changes|rate|irate|delta)\(", expr), expr
+        assert re.search(r"offset \d+m or \S+ \* 0\)", expr), expr
+
+
+def test_a_rank_is_one_straggler_line_whatever_its_cause():
+    assert "cause" not in metrics.EXPORTED[metrics.STRAGGLER_EXCESS][1]
+    assert "cause" in metrics.EXPORTED[metrics.STRAGGLER_CAUSE][1]
+    scores = next(p for p in dashboard()["panels"] if p["title"] == "Straggler scores")
+    assert "{{cause}}" not in json.dumps(scores["targets"])
 
 
 def test_series_refuses_a_name_not_exported():

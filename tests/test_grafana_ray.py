@@ -5,8 +5,9 @@ ports, its own temp dir) and stops it by ending that process (never ``ray stop``
 stop every Ray on the machine). Auth is not what it is about: ``RAY_AUTH_MODE=disabled``.
 
 On that head the package's own code records every metric the dashboard queries: the node
-monitors (a scripted GPU at 50 %, throttled for power), the coordinator (two ranks' reports,
-policy rounds, a stop request) and a rank's :class:`RankMetrics` in an actor. Then the endpoint
+monitors (a scripted GPU at 50 %, throttled for power; the private memory of the rank actor,
+registered as a train worker), the coordinator (two ranks' reports, policy rounds, a stop
+request, both ranks' hang records) and a rank's :class:`RankMetrics` in an actor. Then the endpoint
 is scraped until every name the dashboard queries is there, per-rank ones with Ray Train's
 labels. Ray drops a gauge that was not set again for two export intervals (its OpenTelemetry
 recorder's TTL), so, as in a live run, the rank and the coordinator record again between
@@ -115,6 +116,11 @@ def _record_everything():
                 for s in range(20)]
         ray.get(coordinator.report_steps.remote(rank, node_id, attempt, rows))
     ray.get(coordinator.request_stop.remote("scrape test"))
+    for rank, phase in ((0, "backward"), (1, "forward")):     # rank 1 stopped earliest
+        ray.get(coordinator.report_hang.remote(rank, node_id, attempt, {
+            "step": 20, "phase": phase, "phase_for_s": 9.0, "step_for_s": 10.0,
+            "last_progress_wall": time.time() - 10.0 + rank, "world_size": 2,
+            "in_collective": False}))
 
     @ray.remote(num_cpus=0)
     class Rank:
@@ -131,7 +137,11 @@ def _record_everything():
             self.metrics.record_decision(Decision(Action.RELEASE_CACHE, "scrape test"))
             return True
 
+        def pid(self):
+            return os.getpid()
+
     rank = Rank.remote()
+    monitors[node_id].register_worker.remote(ray.get(rank.pid.remote()), 1)
 
     def again() -> None:
         """What a live run does between scrapes: a policy round, a rank's batch of steps."""

@@ -64,8 +64,8 @@ HOST_GAUGES = {
 WORKER_PRIVATE = _declare("worker_private_bytes", "gauge", *_WORKER)
 LOADER_PRIVATE = _declare("loader_private_bytes", "gauge", *_WORKER)
 # the coordinator
-STRAGGLER_EXCESS = _declare("straggler_excess_frac", "gauge", *_RUN, WORLD_RANK_TAG,
-                            "node_id", "cause")
+STRAGGLER_EXCESS = _declare("straggler_excess_frac", "gauge", *_RUN, WORLD_RANK_TAG, "node_id")
+STRAGGLER_CAUSE = _declare("straggler_cause", "gauge", *_RUN, WORLD_RANK_TAG, "node_id", "cause")
 STRAGGLER_NODE = _declare("straggler_node", "gauge", *_RUN, "node_id")
 STEP_TIME = _declare("step_time_seconds", "gauge", *_RUN, "quantile")
 DECISIONS = _declare("decisions_total", "counter", *_RUN, "action")
@@ -152,6 +152,8 @@ class CoordinatorMetrics:
         self._run = {"run_id": str(run_id), RUN_NAME_TAG: str(run_name or run_id)}
         self._excess = _gauge(STRAGGLER_EXCESS,
                               "fraction of a step a rank adds over the reference rank")
+        self._cause = _gauge(STRAGGLER_CAUSE, "1 while the rank's score names the cause")
+        self._cause_tags: dict[int, dict[str, str]] = {}   # rank -> tags of its last cause
         self._flagged = _gauge(STRAGGLER_NODE, "1 while the node is flagged a straggler")
         self._step = _gauge(STEP_TIME, "step time across ranks")
         self._decisions = _counter(DECISIONS, "cluster decisions made")
@@ -163,9 +165,16 @@ class CoordinatorMetrics:
                      flagged: set[str] | frozenset[str], all_nodes: set[str],
                      p50_s: float | None, p99_s: float | None) -> None:
         for rank, s in scores.items():
-            self._excess.set(s.excess_frac, tags={**self._run, WORLD_RANK_TAG: str(rank),
-                                                  "node_id": nodes_of.get(rank, ""),
-                                                  "cause": s.cause.value})
+            tags = {**self._run, WORLD_RANK_TAG: str(rank), "node_id": nodes_of.get(rank, "")}
+            # one excess series per rank whatever its cause; the cause in a series of its own,
+            # the previous one set to 0 once when it changes
+            self._excess.set(s.excess_frac, tags=tags)
+            cause_tags = {**tags, "cause": s.cause.value}
+            previous = self._cause_tags.get(rank)
+            if previous is not None and previous != cause_tags:
+                self._cause.set(0.0, tags=previous)
+            self._cause.set(1.0, tags=cause_tags)
+            self._cause_tags[rank] = cause_tags
         for node in all_nodes | set(flagged):
             self._flagged.set(float(node in flagged), tags={**self._run, "node_id": node})
         for q, v in (("p50", p50_s), ("p99", p99_s)):
