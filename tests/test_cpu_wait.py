@@ -109,10 +109,21 @@ def test_the_reader_sees_a_busy_neighbour_and_not_a_sleep():
     assert contended > 0.1
 
 
+WORK_S = 0.01     # a step's CPU work: several scheduler slices, so a shared core doubles it
+
+
+def _work(cpu_s: float) -> None:
+    """``cpu_s`` seconds of this thread's CPU time: a step's work, which takes longer on a
+    shared core (a spin to a wall-clock deadline would not)."""
+    end = time.thread_time() + cpu_s
+    while time.thread_time() < end:
+        pass
+
+
 def _work_step(guard: StepGuard, step: int, *, sleep_s: float = 0.0) -> list:
     guard.begin_step(step)
     with guard.phase("forward"):
-        _spin(0.005)
+        _work(WORK_S)
         if sleep_s:
             time.sleep(sleep_s)               # a slow device: the thread waits, voluntarily
     return guard.end_step(step)
@@ -123,7 +134,8 @@ def test_a_busy_neighbour_is_not_named_a_slow_rank_and_a_slow_device_still_is():
     # One core shared with another spinning process doubles every step for 6 steps: the steps
     # are slow, but the thread waited for the CPU as long as they grew, so no slow-step event
     # (the first is read without the step before it, a quiet one: it counts as slow alone).
-    # Five steps slowed by a 10 ms sleep (a slow device) afterwards are named compute.
+    # Five steps slowed by a sleep of three times their work (a slow device) afterwards are
+    # named compute.
     guard = StepGuard(GuardConfig())
     events, step = [], 0
     with _pinned_to_one_cpu() as cpu:
@@ -140,7 +152,7 @@ def test_a_busy_neighbour_is_not_named_a_slow_rank_and_a_slow_device_still_is():
             events += _work_step(guard, step)
             step += 1
         for _ in range(5):
-            events += _work_step(guard, step, sleep_s=0.010)
+            events += _work_step(guard, step, sleep_s=3 * WORK_S)
             step += 1
         guard.feed.flush()
     assert contended == [], [d.reason for d in contended]

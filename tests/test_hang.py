@@ -200,7 +200,11 @@ def test_the_watchdog_sees_whether_the_watched_thread_is_inside_torch_distribute
                threading.Thread(target=idle.wait, args=(30,), daemon=True)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10          # they get there in ms; a busy box may take longer
+    while time.monotonic() < deadline and not (
+            thread_position(threads[0].ident)[0] and thread_position(threads[1].ident)[1]
+            .endswith(" wait")):
+        time.sleep(0.01)
     in_dist, where = thread_position(threads[0].ident)
     assert in_dist is True and where.startswith("torch/distributed/"), where
     in_dist, where = thread_position(threads[1].ident)

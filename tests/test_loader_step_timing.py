@@ -236,3 +236,28 @@ def test_pacing_sleeps_before_each_step_the_loader_opens():
     guard.set_pace(0)
     run(guard, loader, clock, 2, explicit=False)
     assert len(slept) == 3
+
+
+def test_a_resumed_guard_opens_the_step_it_resumes_at():
+    # a run resumed at step 10: the attached loader opens step 10 (not 0), so the faults and
+    # logs of that step are its own; the injector's delay for steps 10-11 runs at both
+    clock = Clock()
+    loader = make(TimedDataset(40, clock), clock)
+
+    def sleep(seconds):
+        clock.now += seconds
+
+    injector = FaultInjector(sleep=sleep)
+    injector.delay(0.3, phase="forward", steps=range(10, 12))
+    guard = guard_on(clock, fault_injector=injector)
+    assert guard.attach_loader(loader)
+    guard.note_pause(10)
+    batches = iter(loader)
+    for step in (10, 11, 12):
+        next(batches)
+        clock.now += 0.01
+        guard.mark("forward")
+        guard.end_step(step)
+    stats = guard.drain_stats()
+    assert [s.step for s in stats] == [10, 11, 12]
+    assert injector.num_delays == 2

@@ -22,14 +22,13 @@ DELAY_S = 0.06
 WARMUP = 2          # DDP's first step builds, then rebuilds, its buckets
 
 
-def _worker(rank: int, tmp: str, with_timer: bool) -> None:
+def _arm(rank: int, with_timer: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from raytrain_guard.runtime.probes import FaultInjector
     from raytrain_guard.runtime.step_guard import StepGuard
     from raytrain_guard.runtime.timing import attach_comm_timer
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
     # Small buckets: several allreduces per step, as in a real model.
@@ -56,23 +55,27 @@ def _worker(rank: int, tmp: str, with_timer: bool) -> None:
         events += [d.to_dict() for d in guard.end_step(step)]
     stats = [s.to_dict() for s in guard.drain_stats()]
     weights = [w for p in model.parameters() for w in p.detach().flatten().tolist()[:8]]
+    return {"stats": stats, "events": events, "weights": weights}
+
+
+def _worker(rank: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    # the same training twice: with the timing hook, and with DDP's own allreduce
+    arms = {"timed": _arm(rank, with_timer=True), "plain": _arm(rank, with_timer=False)}
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as fh:
-        json.dump({"stats": stats, "events": events, "weights": weights}, fh)
-
-
-def _run(tmp_path, with_timer: bool):
-    tmp = str(tmp_path)
-    spawn(_worker, 2, tmp, with_timer)
-    out = []
-    for rank in range(2):
-        with open(os.path.join(tmp, f"rank{rank}.json")) as fh:
-            out.append(json.load(fh))
-    return out
+        json.dump(arms, fh)
 
 
 @pytest.fixture(scope="module")
-def timed(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("ddp_timed"), with_timer=True)
+def arms(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp_timed")
+    spawn(_worker, 2, str(tmp))
+    return [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def timed(arms):
+    return [r["timed"] for r in arms]
 
 
 def test_rank0_waits_in_communication_rank1_does_not(timed):
@@ -94,10 +97,9 @@ def test_rank0_waits_in_communication_rank1_does_not(timed):
     assert "waiting on rank 1" in roles[0].reason
 
 
-def test_hook_keeps_ddp_gradients(timed, tmp_path):
+def test_hook_keeps_ddp_gradients(arms):
     # Same seeds, same data, DDP's own allreduce (no hook): the same weights after training.
-    plain = _run(tmp_path, with_timer=False)
     for rank in range(2):
-        assert plain[rank]["weights"] == pytest.approx(timed[rank]["weights"], rel=1e-5,
-                                                        abs=1e-7)
-    assert timed[0]["weights"] == pytest.approx(timed[1]["weights"])   # ranks in sync
+        assert arms[rank]["plain"]["weights"] == pytest.approx(arms[rank]["timed"]["weights"],
+                                                               rel=1e-5, abs=1e-7)
+    assert arms[0]["timed"]["weights"] == pytest.approx(arms[1]["timed"]["weights"])  # in sync
