@@ -112,8 +112,10 @@ class StepGuard:
     def note_pause(self, next_step: int | None = None) -> None:
         """Training paused before ``next_step`` (default: the step after the last one) for a
         checkpoint or a restore: the gate lets the next steps settle
-        (:meth:`StepGate.note_pause`)."""
+        (:meth:`StepGate.note_pause`), and ``next_step`` is the step that runs next (a resumed
+        run's first step, which an attached loader opens)."""
         step = self._step if next_step is None else next_step
+        self._step = step       # a resume: the loader opens ``next_step``, not step 0
         self._fail_open.call("note_pause", lambda: self.feed.gate.note_pause(step))
 
     @property
