@@ -588,6 +588,10 @@ def add_experiment_command(subparsers) -> None:
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="each rank's card: simulated on CPU, a cap on CUDA (default for the "
                         "built-in model: 10MiB)")
+    p.add_argument("--device-step-ms", type=float, default=None, metavar="MS",
+                   help="device time per micro-batch that the host waits out in forward and "
+                        "backward, as beside a GPU (default for the built-in model: 50; 0: the "
+                        "model's real compute only; slow_compute stretches it)")
     p.add_argument("--strategy", default="ddp", choices=("ddp", "zero1", "fsdp-grad-op",
                                                          "fsdp-full"))
     p.add_argument("--micro-batch", type=int, default=8)
@@ -635,6 +639,7 @@ def experiment_setup(args: argparse.Namespace) -> Any:
         seed=args.seed, strategy=args.strategy,
         device_memory_bytes=_size(args.device_memory, "--device-memory")
         if args.device_memory else None,
+        device_step_ms=getattr(args, "device_step_ms", None),
         micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         factories=given or dict(BUILT_IN), num_samples=args.num_samples,
         max_failures=args.max_failures, collective_timeout_s=args.collective_timeout)

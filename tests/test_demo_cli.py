@@ -54,9 +54,11 @@ SHOWN = {"observe": arm(completed=False, steps=40, error="OutOfMemoryError on ra
     ({**SHOWN, "act": arm(samples_lost=3)}, ["act's audit found samples_lost 3"]),
     ({**SHOWN, "act": arm(global_batch_min=8)},
      ["act's global batch was not 16 at every step (8-16)"]),
-    ({**SHOWN, "observe": arm(completed=False, steps=40, fault_detection=UNNAMED)}, []),
+    ({**SHOWN, "observe": arm(completed=False, steps=40, fault_detection=UNNAMED)},
+     ["observe did not name the slowed rank 1 (compute)"]),
     ({"observe": arm(completed=False, steps=40, fault_detection=UNNAMED),
-      "act": arm(fault_detection=UNNAMED)}, ["no arm named the slowed rank 1 (compute)"]),
+      "act": arm(fault_detection=UNNAMED)}, ["observe did not name the slowed rank 1 (compute)",
+                                             "act did not name the slowed rank 1 (compute)"]),
 ])
 def test_the_demo_says_which_part_of_its_outcome_did_not_happen(arms, says):
     assert demo.shortfalls({"arms": arms}, SETUP) == says

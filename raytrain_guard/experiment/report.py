@@ -72,6 +72,8 @@ def side_by_side(arms: Mapping[str, Mapping[str, Any]]) -> str:
 def format_text(result: Mapping[str, Any]) -> str:
     """What the CLI prints: the table, how each fault was named, where the report is."""
     out = [side_by_side(result["arms"]), ""]
+    if result.get("step_model"):
+        out.append(f"steps: {result['step_model']}")
     for name, arm in result["arms"].items():
         if arm.get("audit"):
             out.append(f"{name}: audit: {arm['audit']}")
@@ -100,7 +102,9 @@ def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[s
         + f", seed {setup.seed}, max_failures {setup.max_failures}, checkpoint every "
         f"{setup.checkpoint_every_steps} steps, collective timeout "
         f"{setup.collective_timeout_s:.0f} s", "",
-        f"Device: {result['device']}", "", f"Machine: {result['machine']}", "",
+        f"Device: {result['device']}", "",
+        f"Steps: {result.get('step_model', 'not recorded')}", "",
+        f"Machine: {result['machine']}", "",
         (f"Memory watermark {guard.memory_watermark_frac:.0%}, critical "
          f"{guard.memory_critical_frac:.0%}."), "",
         "## Side by side", "", side_by_side(result["arms"]), "",

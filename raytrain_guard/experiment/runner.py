@@ -49,6 +49,9 @@ BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
 #: ~27 % of it, so an 8x activation spike overflows it and a leak of 40 KiB a step reaches the
 #: critical line in ~160 steps
 BUILT_IN_DEVICE_MEMORY_BYTES = 10 * MiB
+#: the built-in job's device time per micro-batch (experiment.device_time): GPU-like steps of
+#: ~60 ms with the real ~8 ms of CPU compute, beside which the host's own noise is small
+BUILT_IN_DEVICE_STEP_MS = 50.0
 #: the observe arm's hang ends at the collective timeout, set short so that it ends at all
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 RAY_DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
@@ -74,6 +77,7 @@ class ExperimentSetup:
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
     checkpoint_every_steps: int = 25
     guard: Mapping[str, Any] = field(default_factory=dict)
+    device_step_ms: float | None = None     # None: BUILT_IN_DEVICE_STEP_MS for the built-in job
 
     @property
     def built_in(self) -> bool:
@@ -91,9 +95,19 @@ class ExperimentSetup:
                                  f"--workers {self.num_workers}", value=str(f),
                                  fix=f"use ranks 0..{self.num_workers - 1}")
         memory_kinds = {"memory_growth", "activation_spike"}
+        if self.device_step_ms is not None and not self.device_step_ms >= 0:
+            raise InputError("--device-step-ms", "must be a number >= 0",
+                             value=self.device_step_ms, fix="e.g. --device-step-ms 50, or 0 "
+                             "for the model's real compute only")
         if any(f.kind in memory_kinds for f in self.faults) and not self.card_bytes():
             raise InputError("--device-memory", "memory faults need a card to overflow",
                              value=None, fix="pass --device-memory SIZE (e.g. 10MiB)")
+
+    def device_step_s(self) -> float:
+        """Device time per micro-batch (0: the model's real compute only)."""
+        if self.device_step_ms is not None:
+            return self.device_step_ms / 1000
+        return BUILT_IN_DEVICE_STEP_MS / 1000 if self.built_in else 0.0
 
     def card_bytes(self) -> int | None:
         if self.device_memory_bytes is not None:
@@ -114,7 +128,8 @@ def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any
         "device_memory_bytes": setup.card_bytes(),
         "trace_dir": os.path.join(arm_dir, "trace"), "audit_dir": os.path.join(arm_dir, "audit"),
         "faults": {"inject": [f.to_dict() for f in setup.faults],
-                   "marker_dir": os.path.join(arm_dir, "markers")},
+                   "marker_dir": os.path.join(arm_dir, "markers"),
+                   "device_step_s": setup.device_step_s()},
         "guard": dict(setup.guard)}
     if setup.max_steps is not None:       # that many steps, over as many epochs as it takes
         config["max_steps"] = setup.max_steps
@@ -198,7 +213,8 @@ def run_experiment(setup: ExperimentSetup, out_dir: str, *,
         if started_ray:
             ray.shutdown()
     result = {"arms": arms, "faults": [str(f) for f in setup.faults],
-              "device": _device_line(setup), "machine": machine_line()}
+              "device": _device_line(setup), "step_model": step_model_line(setup),
+              "machine": machine_line()}
     report, plots = write_report(result, out_dir, setup)
     result["report"], result["plots"] = report, plots
     return result
@@ -258,6 +274,17 @@ def _device_line(setup: ExperimentSetup) -> str:
     return (f"simulated card of {card / MiB:.1f} MiB per rank on CPU (parameters, gradients, "
             "optimizer state, saved activations and fault memory counted; past it "
             "torch.OutOfMemoryError)")
+
+
+def step_model_line(setup: ExperimentSetup) -> str:
+    """Which step model the run used: the device-time model, or the model's real compute."""
+    step_s = setup.device_step_s()
+    if not step_s:
+        return "the model's real compute only (no device-time model)"
+    return (f"device-time model: {step_s * 1000:g} ms of device time per micro-batch of "
+            f"{setup.micro_batch} (a third in forward, two thirds in backward; the host waits "
+            f"it out, as beside a GPU), scaled by the batch's elements, plus the model's real "
+            f"CPU compute; slow_compute stretches the device time")
 
 
 def machine_line() -> str:

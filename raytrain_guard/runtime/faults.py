@@ -1,7 +1,8 @@
 """Injected faults inside a training worker, and a simulated card for CPU runs.
 
 :class:`FaultRuntime` applies the :class:`~raytrain_guard.core.faults.FaultSpec` values of one
-rank where a real failure would show: a sleep after backward (a slow GPU), a delay on the
+rank where a real failure would show: a slower device time, or without one a sleep after
+backward (a slow GPU), a delay on the
 completion of the DDP allreduce (a slow link), a sleep in the dataset's ``__getitem__`` in the
 DataLoader workers (slow storage), device memory held step after step (a leak), longer
 sequences in the batch (long documents), a process holding host RAM, a crash, a hang.
@@ -208,12 +209,13 @@ class FaultRuntime:
 
     def __init__(self, specs: Sequence[FaultSpec], *, world_rank: int, marker_dir: str | None,
                  device: SimulatedDevice | None = None, torch_device: Any = "cpu",
-                 sleep: Any = time.sleep) -> None:
+                 device_time: Any = None, sleep: Any = time.sleep) -> None:
         self.world_rank = world_rank
         self.specs = [s for s in specs if s.on(world_rank)]
         self.marker_dir = marker_dir
         self.device = device
         self.torch_device = torch_device
+        self.device_time = device_time
         self._sleep = sleep
         self.step = 0
         self.shared_step = multiprocessing.Value("l", 0, lock=False) if any(
@@ -237,6 +239,12 @@ class FaultRuntime:
         self.step = step
         if self.shared_step is not None:
             self.shared_step.value = step
+        if self.device_time is not None:      # a slow GPU: its device time stretches
+            self.device_time.factor = 1.0
+            for spec in self.of("slow_compute"):
+                if spec.active(step):
+                    self.num_injected += 1
+                    self.device_time.factor *= float(spec.params["factor"])
         for spec in self.of("crash"):
             if spec.start == step and self._first_time(spec):
                 raise InjectedCrash(f"injected crash on rank {self.world_rank} at step {step}")
@@ -263,7 +271,10 @@ class FaultRuntime:
         return batch
 
     def after_backward(self, elapsed_s: float) -> None:
-        """A slow GPU: forward and backward took ``elapsed_s``; make it ``factor`` times."""
+        """A slow GPU without a device-time model: forward and backward took ``elapsed_s``;
+        make it ``factor`` times."""
+        if self.device_time is not None:
+            return
         for spec in self.of("slow_compute"):
             if spec.active(self.step):
                 self.num_injected += 1

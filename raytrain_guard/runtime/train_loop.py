@@ -105,6 +105,7 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
         self.sim_device: Any = None
         # what prices a micro-batch before its forward: the simulated card, or CUDA's allocator
         self.card: Any = None
+        self.device_time: Any = None      # the experiment's GPU-like device time (CPU runs)
         self.watchdog: Any = None
         self.node_waits: Any = None       # NodeCpuWaits of this node (None: alone on it)
         self._trace: Any = None
@@ -137,6 +138,8 @@ class GuardedTrainLoop(StepsMixin, SpikesMixin, LayoutMixin, DecisionsMixin,
         if not any(p.requires_grad for p in model.parameters()):
             raise InputError("model_factory", "returned a model without trainable parameters",
                              value=type(model).__name__, fix="leave some parameters trainable")
+        if self.device_time is not None:
+            self.device_time.attach(model)
         self.steps_per_epoch = self._steps_per_epoch(self.loader, self.grad_accum)
         if self.steps_per_epoch == 0 or self.grad_accum > len(self.loader):
             raise InputError("grad_accum", f"exceeds the {len(self.loader)} micro-batches of "

@@ -62,11 +62,14 @@ class RehearsalMixin:
         elif device.type == "cuda" and cfg.split_spikes:
             from raytrain_guard.runtime.cuda_card import CudaCard
             self.card = CudaCard(device, cfg.device_memory_bytes)
+        if cfg.faults.get("device_step_s"):
+            from raytrain_guard.experiment.device_time import DeviceTime
+            self.device_time = DeviceTime(float(cfg.faults["device_step_s"]))
         specs = [FaultSpec.from_dict(d) for d in cfg.faults.get("inject", ())]
         if specs:
             self.fault_runtime = FaultRuntime(
                 specs, world_rank=self.rank, marker_dir=cfg.faults.get("marker_dir"),
-                device=self.sim_device, torch_device=device)
+                device=self.sim_device, torch_device=device, device_time=self.device_time)
 
     def _trace_event(self, kind: str, **fields: Any) -> None:
         if self._trace is None:

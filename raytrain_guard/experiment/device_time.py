@@ -1,0 +1,69 @@
+"""GPU-like steps on a CPU: the host waits a set time in forward and backward, as it waits on a
+GPU's kernels.
+
+The built-in job computes about 8 ms a step on a CPU core, so the host's own noise (Ray Train's
+controller polls, a checkpoint, another process) is a large share of its steps; beside a GPU step
+of 50-100 ms it is not. :class:`DeviceTime` adds the device's time to every micro-batch: a forward
+hook on the model sleeps ``forward_s`` after the forward and, through an identity autograd
+function on the output, ``backward_s`` when backward starts. Sleeping releases the CPU, so 4-8
+ranks fit on 2 cores, and a rank's step is mostly time the host spends waiting, as beside a GPU.
+
+Device time scales with the batch: a micro-batch of ``k`` times the elements of the first one
+waits ``k`` times as long (a long-sequence spike takes longer, its pieces shorter).
+``slow_compute`` stretches it (:attr:`DeviceTime.factor`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from raytrain_guard.runtime.batches import iter_tensors
+
+#: backward takes about twice the forward's time (two matmuls per forward matmul)
+BACKWARD_SHARE = 2 / 3
+
+
+class DeviceTime:
+    """``step_s`` of device time per micro-batch of the first batch's size, a third of it in
+    forward and two thirds in backward; :meth:`attach` puts it on a model."""
+
+    def __init__(self, step_s: float, *, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.step_s = float(step_s)
+        self.factor = 1.0           # slow_compute: the device runs this many times slower
+        self._sleep = sleep
+        self._nominal_elements: int | None = None
+
+    def attach(self, model: torch.nn.Module) -> Any:
+        """Wait on ``model``'s every forward (and its backward); returns the hook's handle."""
+        return model.register_forward_hook(self._on_forward)
+
+    def seconds(self, elements: int) -> float:
+        """The device time of a micro-batch of ``elements`` input elements."""
+        if self._nominal_elements is None:
+            self._nominal_elements = max(1, elements)
+        return self.step_s * self.factor * elements / self._nominal_elements
+
+    def _on_forward(self, module: Any, args: Any, output: Any) -> Any:
+        total = self.seconds(sum(t.numel() for t in iter_tensors(args)))
+        self._sleep(total * (1 - BACKWARD_SHARE))
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            return _WaitInBackward.apply(output, total * BACKWARD_SHARE, self._sleep)
+        return output
+
+
+class _WaitInBackward(torch.autograd.Function):
+    """Identity whose backward first waits ``seconds`` (the device's backward time)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, seconds: float, sleep: Any) -> torch.Tensor:
+        ctx.seconds, ctx.sleep = seconds, sleep
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None, None]:
+        ctx.sleep(ctx.seconds)
+        return grad, None, None
