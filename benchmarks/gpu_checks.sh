@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks, as one command for a session lent the device machine (one H200). Use:
+# The checks only a GPU can show, as one command. On a machine with a CUDA GPU and a CUDA build
+# of torch, from the repository root:
 #
-#     run(command="bash benchmarks/gpu_checks.sh", timeout_s=540)      # nothing to carry
+#     bash benchmarks/gpu_checks.sh                  # results in /tmp/gpu_checks
+#     OUT=results PYTHON=.venv/bin/python bash benchmarks/gpu_checks.sh
 #
-# The step timeouts below add up to 8 minutes (expect about 4); 540 s leaves the rest of a
-# 15-minute lease for the machine's start and one rerun. Each step's output lands in
-# $OUT/<step>.txt, even when a step times out; the last lines printed are the summary table.
-#
-# What that machine has (/work/.library/device/KINDS.md): no package registry; python3 3.12 in
-# /opt/torch/.venv with torch 2.11 (CUDA 13), nvidia-ml-py, psutil, pytest, pytest-timeout,
-# setuptools. Ray is not there, and none of these checks needs it. So nothing is downloaded:
-# the repo is installed editable with --no-deps (PYTHONPATH as a fallback).
+# It needs torch with CUDA, nvidia-ml-py, psutil, pytest and pytest-timeout; not Ray (no check
+# here starts a cluster). It installs the repository editable with --no-deps (PYTHONPATH as a
+# fallback), so it downloads nothing. The step timeouts below add up to 8 minutes (expect about
+# 4). Each step's output lands in $OUT/<step>.txt, even when a step times out; the last lines
+# printed are the summary table, which docs/benchmarks.md records.
 #
 # The steps:
 #   pytest_gpu        the CUDA / NVML tests that skip without a GPU
