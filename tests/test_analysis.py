@@ -275,13 +275,27 @@ def _decision(action, applied_at, **kw):
 def test_slow_steps_and_stragglers_recorded_at_one_boundary_have_one_date(tmp_path):
     decisions = [_decision("slow_step", 18),
                  _decision("flag_straggler", 18, scope="cluster", decision_id=7,
-                           params={"ranks": [1]})]
+                           params={"world_ranks": [1]})]
     root = write_arm(tmp_path, audits=clean_audits(range(4)), steps_done=4,
                      decisions=decisions)
     fault = parse_fault("slow_compute:rank=1,start=15,stop=25,factor=3")
     arm = analyze(root, [fault])
     dated = {(d["kind"], d["rank"]): d["step"] for d in arm["detections"]}
     assert dated[("slow_step (compute)", 1)] == dated[("straggler", 1)] == 17
+    assert arm["fault_detection"][0]["named_at_step"] == 17
+
+
+def test_a_straggler_flag_names_the_flagged_rank_not_the_ranks_that_applied_it(tmp_path):
+    # the coordinator flags rank 1 (params world_ranks, as core.policy writes it); both ranks
+    # record the flag: it names rank 1 only, and in the observe arm (applied nowhere) too
+    flag = dict(scope="cluster", decision_id=7, params={"world_ranks": [1]})
+    decisions = [_decision("flag_straggler", 18, world_rank=0, applied=False, **flag),
+                 _decision("flag_straggler", 18, world_rank=1, applied=False, **flag)]
+    root = write_arm(tmp_path, audits=clean_audits(range(4)), steps_done=4,
+                     decisions=decisions)
+    fault = parse_fault("slow_compute:rank=1,start=15,stop=25,factor=3")
+    arm = analyze(root, [fault])
+    assert [(d["kind"], d["rank"]) for d in arm["detections"]] == [("straggler", 1)]
     assert arm["fault_detection"][0]["named_at_step"] == 17
 
 
@@ -293,7 +307,7 @@ def test_a_detection_past_the_faults_end_plus_its_bound_does_not_name_it(tmp_pat
                                                                          applied_at, named):
     # the fault's last step is 24; a detection dated applied_at - 1
     decision = _decision(action, applied_at, scope="cluster", decision_id=3,
-                         params={"ranks": [1]}) if action == "flag_straggler" else \
+                         params={"world_ranks": [1]}) if action == "flag_straggler" else \
         _decision(action, applied_at)
     root = write_arm(tmp_path, audits=clean_audits(range(4)), steps_done=4,
                      decisions=[decision])

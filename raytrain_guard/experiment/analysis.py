@@ -177,7 +177,7 @@ def detections_of(decisions: Sequence[Mapping[str, Any]], hangs: Sequence[Mappin
     detections += [{"kind": "straggler", "rank": r, "cause": d.get("cause"), "step": _dated(d),
                     "source": "cluster", "reason": d.get("reason")}
                    for d in _merged(decisions) if d.get("action") == "flag_straggler"
-                   for r in (d.get("params", {}).get("ranks") or d.get("ranks") or [])]
+                   for r in d.get("params", {}).get("world_ranks", ())]
     return detections + _hang_detections(hangs, starts)
 
 
