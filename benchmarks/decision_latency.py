@@ -36,9 +36,9 @@ sys.path.insert(0, ROOT)
 import ray  # noqa: E402
 
 import examples.toy as toy  # noqa: E402
-from raytrain_guard.cluster.client import ClusterDecisionSource  # noqa: E402
 from raytrain_guard.cluster.launcher import launch  # noqa: E402
 from raytrain_guard.config import GuardConfig  # noqa: E402
+from raytrain_guard.coordination.client import ClusterDecisionSource  # noqa: E402
 from raytrain_guard.core.node_samples import GpuSample  # noqa: E402
 from raytrain_guard.units import GiB  # noqa: E402
 
@@ -107,6 +107,7 @@ def one_run(every: int, args) -> dict:
               "optimizer_factory": toy.make_optimizer, "loss_fn": toy.loss_fn,
               "micro_batch": 8, "epochs": args.epochs, "num_workers": 0,
               "measure_bandwidth": False, "checkpoint_every_steps": 10_000,
+              "rehearsal": "raytrain_guard.experiment.rehearsal:build_rehearsal",
               "faults": {"delay": [{"seconds": args.step_delay_s, "phase": "forward"}]}}
     summary = launch(config, num_workers=2, config=guard, namespace="rtg_latency",
                      storage_path=os.path.join(out, "storage"),

@@ -1,6 +1,6 @@
 """Host cost of timing FSDP2's collectives on the host clock (gloo), without FSDP or gloo.
 
-The wrapper that :func:`raytrain_guard.runtime.timing.attach_fsdp_comm_timer` puts around each
+The wrapper that :func:`raytrain_guard.runtime.guard.comm_timers.attach_fsdp_comm_timer` puts around each
 all-gather and reduce-scatter is called here around a no-op collective; a step of 8 micro-
 batch marks and 96 collectives (a 32-layer model: an all-gather per unit in forward and in
 backward, a reduce-scatter per unit) is then closed, walking the collectives into the phases::
@@ -14,7 +14,8 @@ import argparse
 import statistics
 import timeit
 
-from raytrain_guard.runtime.timing import StepTimer, _TimedAllGather
+from raytrain_guard.runtime.guard.comm_timers import _TimedAllGather
+from raytrain_guard.runtime.guard.timing import StepTimer
 
 
 class _NoCollective:

@@ -68,10 +68,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.runtime.loader import GuardedDataLoader
-from raytrain_guard.runtime.probes import CudaMemoryProbe, ProcessMemoryProbe
-from raytrain_guard.runtime.step_guard import StepGuard
-from raytrain_guard.runtime.timing import StepTimer
+from raytrain_guard.runtime.data.loader import GuardedDataLoader
+from raytrain_guard.runtime.guard.probes import CudaMemoryProbe, ProcessMemoryProbe
+from raytrain_guard.runtime.guard.step_guard import StepGuard
+from raytrain_guard.runtime.guard.timing import StepTimer
 
 BATCH = 32
 FEATURES = 64
@@ -262,7 +262,9 @@ def measure(args: argparse.Namespace) -> None:
         sys.exit(2)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = GuardConfig()
+    # the other loops' steps between two steps of one loop are no pause of that loop (a real
+    # loop's steps follow each other): without this its gate took them for checkpoints
+    config = GuardConfig(pause_gap_steps=1e9)
     n = calibrate(args.step_ms, args.device)
     work = Work(n, args.device)
     dataset = TensorDataset(torch.randn(100_000, FEATURES))

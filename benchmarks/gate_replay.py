@@ -75,8 +75,7 @@ def _stats(r: dict, rank: int, peer_work: dict[int, float] | None) -> StepStats:
     if work_s is None and peer_work is not None:
         work_s = peer_work.get(r["step"])
     return StepStats(r["step"], r["total_s"], r["data_wait_s"], r["compute_s"], 0.0,
-                     r["comm_wait_s"], 0.0, None, rank, r.get("cpu_wait_s"),
-                     r.get("peer_cpu_wait_s"), None, work_s)
+                     r["comm_wait_s"], 0.0, None, rank, None, work_s)
 
 
 def replay_coordinator(traces: dict[int, list[dict]], config: GuardConfig,

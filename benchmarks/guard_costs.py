@@ -44,11 +44,11 @@ from gate_overhead import BATCH, FEATURES, Work, calibrate, forever
 from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.runtime.loader import GuardedDataLoader
-from raytrain_guard.runtime.node_cpu_waits import NodeCpuWaits
-from raytrain_guard.runtime.probes import ProcessMemoryProbe
-from raytrain_guard.runtime.step_guard import StepGuard
-from raytrain_guard.runtime.timing import StepTimer
+from raytrain_guard.runtime.data.loader import GuardedDataLoader
+from raytrain_guard.runtime.guard.node_peers import NodePeers
+from raytrain_guard.runtime.guard.probes import ProcessMemoryProbe
+from raytrain_guard.runtime.guard.step_guard import StepGuard
+from raytrain_guard.runtime.guard.timing import StepTimer
 
 clock = time.perf_counter
 
@@ -66,13 +66,12 @@ class TimedProbe:
         return reading
 
 
-def timed_guard(config: GuardConfig, node_waits: NodeCpuWaits
+def timed_guard(config: GuardConfig, peers: NodePeers
                 ) -> tuple[StepGuard, TimedProbe, list[float]]:
-    """A StepGuard with the train loop's timer (its own CPU wait and the node's board) whose
-    probe reads and gate batches are timed."""
+    """A StepGuard with the train loop's timer (with the node's board) whose probe reads and
+    gate batches are timed."""
     probe = TimedProbe(ProcessMemoryProbe(config))
-    guard = StepGuard(config, probe=probe,
-                      timer=StepTimer.measuring_cpu_wait(node_waits=node_waits))
+    guard = StepGuard(config, probe=probe, timer=StepTimer(peers=peers))
     batches: list[float] = []
     flush = guard.feed.flush
 
@@ -95,7 +94,9 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     logging.getLogger("raytrain_guard").setLevel(logging.ERROR)
-    config = GuardConfig()
+    # the other loops' steps between two steps of one loop are no pause of that loop (a real
+    # loop's steps follow each other): without this its gate took them for checkpoints
+    config = GuardConfig(pause_gap_steps=1e9)
     n = calibrate(args.step_ms)
     work = Work(n)
     dataset = TensorDataset(torch.randn(100_000, FEATURES))
@@ -104,9 +105,9 @@ def main() -> None:
         return forever(DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=0))
 
     # the board of a node of 8 ranks, this one local rank 0 (the others' slots stay 0)
-    node_waits = NodeCpuWaits(os.path.join(tempfile.mkdtemp(prefix="rtg-costs-"), "board"), 0, 8)
-    guard, guard_probe, guard_batches = timed_guard(config, node_waits)
-    attached, attached_probe, attached_batches = timed_guard(config, node_waits)
+    peers = NodePeers(os.path.join(tempfile.mkdtemp(prefix="rtg-costs-"), "board"), 0, 8)
+    guard, guard_probe, guard_batches = timed_guard(config, peers)
+    attached, attached_probe, attached_batches = timed_guard(config, peers)
     loader = GuardedDataLoader(dataset, BATCH, config=config, world_rank=0, world_size=1,
                                gpus_per_node=1, num_workers=0)
     assert attached.attach_loader(loader)
@@ -200,8 +201,8 @@ def main() -> None:
               f"({batch_us:.1f} us per step)")
         print(f"  in-loop cost {total:.1f} us per step = {total / plain_step_us:.2%} of plain's "
               f"step: throughput ratio about {1 - total / plain_step_us:.4f}")
-    node_waits.close()                     # local rank 0: removes the board
-    os.rmdir(os.path.dirname(node_waits.path))
+    peers.close()                          # local rank 0: removes the board
+    os.rmdir(os.path.dirname(peers.path))
 
 
 if __name__ == "__main__":

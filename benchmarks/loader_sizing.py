@@ -31,8 +31,8 @@ import time
 import torch
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.host_memory import host_memory
-from raytrain_guard.runtime.loader import GuardedDataLoader
+from raytrain_guard.runtime.data.loader import GuardedDataLoader
+from raytrain_guard.runtime.host_memory import host_memory
 from raytrain_guard.units import format_bytes
 
 

@@ -1,12 +1,12 @@
 """Planner accuracy: predicted per-rank peak (fake trace -> estimate()) against the measured peak.
 
-For each model family the model is traced once under FakeTensorMode (``raytrain_guard.trace``),
+For each model family the model is traced once under FakeTensorMode (``raytrain_guard.planner.trace``),
 and ``estimate()`` predicts the per-rank peak at the traced micro-batch and at a micro-batch that
 was never traced (3 x). The same models are then trained for real - AdamW, the loop
 ``loss.backward(); opt.step(); opt.zero_grad()`` - with one rank (no DDP wrapper, as Ray's
 ``prepare_model`` does at world size 1) and with two gloo ranks (real processes,
 ``torch.multiprocessing.spawn``) under DDP, DDP + ``ZeroRedundancyOptimizer`` (zero1) and FSDP2
-``fully_shard`` per unit of ``runtime.model.wrap_units`` plus the root (``reshard_after_forward``
+``fully_shard`` per unit of ``planner.fsdp_units.wrap_units`` plus the root (``reshard_after_forward``
 True: fsdp-full, False: fsdp-grad-op), all through the train loop's own ``wrap_model`` and
 ``wrap_optimizer``. With two ranks each FSDP strategy also runs with gradient accumulation
 (``--accum``, default 2 micro-batches a step, at ``b0``) in both gradient syncs of
@@ -45,9 +45,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from examples import models
-from raytrain_guard.core.memory_model import TrainingSetup, estimate
-from raytrain_guard.runtime.model import wrap_model, wrap_optimizer
-from raytrain_guard.trace import skip_frozen_grad_hooks, trace_model
+from raytrain_guard.planner.memory_model import TrainingSetup, estimate
+from raytrain_guard.planner.step_memory import skip_frozen_grad_hooks
+from raytrain_guard.planner.trace import trace_model
+from raytrain_guard.runtime.dist.model import wrap_model, wrap_optimizer
 
 STRATEGIES = ("ddp", "zero1", "fsdp-grad-op", "fsdp-full")
 SYNCS = ("every_micro_batch", "last_micro_batch")

@@ -7,7 +7,7 @@ figure is the trainer's logged peak of the CUDA caching allocator's *reserved* m
 less ``cuda_context_bytes`` (the CUDA context and NCCL's buffers lie outside the caching
 allocator, so the trainer's figure does not hold them): the tensor peak plus the allocator
 reserve (``fragmentation_frac`` of the peak, and under FSDP the previous step's gradient shards,
-see ``core/memory_model.py``).
+see ``planner/memory_model.py``).
 
 ``--trace`` adds the traced-vs-analytic row: ``examples/llama.py`` (Llama 3.2 3B's shape, as
 users write it) traced on the CPU under FakeTensorMode, planned next to the analytic model of
@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.activations import analytic_transformer
-from raytrain_guard.core.memory_model import TrainingSetup, estimate
+from raytrain_guard.planner.activations import analytic_transformer
+from raytrain_guard.planner.memory_model import TrainingSetup, estimate
 from raytrain_guard.units import GiB
 
 TORCHTITAN_2024_12 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md "
@@ -100,7 +100,7 @@ def published_rows(config: GuardConfig) -> list[str]:
 
 def trace_row(setup: TrainingSetup, config: GuardConfig) -> str:
     from examples import llama
-    from raytrain_guard.trace import trace_model
+    from raytrain_guard.planner.trace import trace_model
 
     start = time.perf_counter()
     traced = trace_model(llama.llama_3b, llama.llama_batch, loss=llama.llama_loss,

@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from examples import llama
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.activations import analytic_transformer
-from raytrain_guard.core.memory_model import TrainingSetup, estimate
-from raytrain_guard.trace import skip_frozen_grad_hooks
+from raytrain_guard.planner.activations import analytic_transformer
+from raytrain_guard.planner.memory_model import TrainingSetup, estimate
+from raytrain_guard.planner.step_memory import skip_frozen_grad_hooks
 from raytrain_guard.units import GiB
 
 #: (layers, hidden, heads, kv heads, MLP hidden, vocabulary, seq) per device

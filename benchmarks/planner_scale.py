@@ -15,6 +15,7 @@ Run: ``python benchmarks/planner_scale.py [--skip-trace]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -27,8 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from raytrain_guard.config import GuardConfig  # noqa: E402
-from raytrain_guard.core.activations import analytic_transformer  # noqa: E402
-from raytrain_guard.core.memory_model import TrainingSetup, estimate  # noqa: E402
+from raytrain_guard.planner.activations import analytic_transformer  # noqa: E402
+from raytrain_guard.planner.memory_model import TrainingSetup, estimate  # noqa: E402
 from raytrain_guard.units import GiB  # noqa: E402
 
 LLAMA2_70B = dict(layers=80, hidden=8192, heads=64, seq_len=4096, vocab=32000, ffn_hidden=28672,
@@ -46,17 +47,18 @@ def plan_70b(device_bytes: int = 80 * GiB, world_size: int = 64) -> tuple[int, o
     while lo < hi:
         mid = (lo + hi + 1) // 2
         probes += 1
-        if estimate(stats, prof, base.with_micro_batch(mid), config).total_bytes <= budget:
+        setup = dataclasses.replace(base, micro_batch=mid)
+        if estimate(stats, prof, setup, config).total_bytes <= budget:
             lo = mid
         else:
             hi = mid - 1
-    best = estimate(stats, prof, base.with_micro_batch(max(lo, 1)), config)
+    best = estimate(stats, prof, dataclasses.replace(base, micro_batch=max(lo, 1)), config)
     return lo, best, probes
 
 
 TRACE_CHILD = """
 import json, time
-from raytrain_guard.trace import trace_model
+from raytrain_guard.planner.trace import trace_model
 t = time.perf_counter()
 r = trace_model("examples.models:gpt_1b", "examples.models:gpt_1b_batch", micro_batches=(1, 2))
 print(json.dumps({"s": time.perf_counter() - t, "params": r.model_stats.num_params,

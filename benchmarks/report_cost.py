@@ -1,14 +1,14 @@
 """What a rank's reports to the coordinator cost its training thread.
 
-    python benchmarks/report_cost.py [--steps 5000] [--every 10]
+    python benchmarks/report_cost.py [--steps 5000] [--every 10] [--step-ms 1]
 
-The step path makes no blocking call to the coordinator: every ``report_every_steps`` steps the
-:class:`~raytrain_guard.cluster.client.CoordinatorClient` hands the kept steps' rows to a
-fire-and-forget actor call (``report_steps.remote``) and, when none is out, asks for new
-decisions the same way (``decisions_since.remote``); replies are taken with
-``ray.wait(timeout=0)`` at agreement steps. This script times ``client.record(stats)`` on every
-step against a live coordinator actor (a local Ray cluster), and prints the cost per report
-call, per step amortized, and the bytes one report carries (its pickled rows).
+Every ``report_every_steps`` steps the :class:`~raytrain_guard.coordination.client.
+CoordinatorClient` hands the kept steps to its link's daemon thread, which sends them
+(``report_steps``), asks for new decisions (``decisions_since``) and leaves them in an inbox that
+the training thread empties at agreement steps. This script times, on the training thread,
+``client.record(stats)`` on every step and ``client.poll_decisions()`` on the steps that send,
+against a live coordinator actor (a local Ray cluster); it prints the cost of a step that
+sends, per step amortized, and the bytes one report carries (its pickled rows).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray
 
 from raytrain_guard.cluster.actors import start_coordinator, stop_all
-from raytrain_guard.cluster.client import CoordinatorClient, _row, coordinator_name
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.coordination.client import CoordinatorClient, coordinator_name, step_row
 from raytrain_guard.core.steps import StepStats
 
 
@@ -35,6 +35,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--every", type=int, default=GuardConfig().report_every_steps)
+    parser.add_argument("--step-ms", type=float, default=1.0,
+                        help="time between steps (a sleep: the link's thread runs meanwhile)")
     args = parser.parse_args()
     ray.init(address="local", namespace="rtg-bench", include_dashboard=False,
              logging_level="error", log_to_driver=False)
@@ -58,10 +60,11 @@ def main() -> None:
                 client.poll_decisions()          # an agreement step's take of the replies
             elapsed = time.perf_counter() - t0
             (send_s if sending else step_s).append(elapsed)
-            time.sleep(0.001)                    # the coordinator's replies come back meanwhile
-        rows = [_row(StepStats(step=i, total_s=0.1)) for i in range(args.every)]
+            time.sleep(args.step_ms / 1e3)       # the link's thread runs meanwhile
+        rows = [step_row(StepStats(step=i, total_s=0.1)) for i in range(args.every)]
+        client.flush()
         per_step = (sum(step_s) + sum(send_s)) / args.steps
-        print(f"{args.steps} steps, a report every {args.every} steps "
+        print(f"{args.steps} steps {args.step_ms:g} ms apart, a report every {args.every} steps "
               f"({client.num_reports_sent} sent, {client.num_reports_dropped} dropped)")
         print(f"  step without a report: median {statistics.median(step_s) * 1e6:.1f} us")
         print(f"  step with a report and a decisions fetch: median "

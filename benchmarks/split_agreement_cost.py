@@ -26,8 +26,12 @@ BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
 
 
 def _worker(rank: int, out: str, rounds: int, steps: int) -> None:
-    from raytrain_guard.runtime.context import WorkerContext
-    from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+    from raytrain_guard.coordination.context import WorkerContext
+    from raytrain_guard.runtime.loop.train_loop import (
+        DirectoryReporter,
+        GuardedTrainLoop,
+        LoopConfig,
+    )
 
     medians: dict[str, list[float]] = {"on": [], "off": []}
     for i in range(rounds):
@@ -38,6 +42,7 @@ def _worker(rank: int, out: str, rounds: int, steps: int) -> None:
                 **BUILT_IN, "strategy": "fsdp-full", "micro_batch": 8, "grad_accum": 2,
                 "max_steps": steps, "num_workers": 0, "measure_bandwidth": False,
                 "checkpoint_every_steps": 10_000, "device_memory_bytes": 1 << 30,
+                "rehearsal": "raytrain_guard.experiment.rehearsal:build_rehearsal",
                 "split_spikes": name == "on", "trace_dir": d})
             GuardedTrainLoop(config, reporter=DirectoryReporter(d),
                              context=WorkerContext(world_rank=rank, world_size=2)).run()

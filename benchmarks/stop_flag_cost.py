@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def _worker(rank: int, port: int, steps: int, rounds: int, queue) -> None:
     import toy
 
-    from raytrain_guard.runtime.bandwidth import measure_allreduce_curve
-    from raytrain_guard.runtime.model import wrap_model
+    from raytrain_guard.runtime.dist.bandwidth import measure_allreduce_curve
+    from raytrain_guard.runtime.dist.model import wrap_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

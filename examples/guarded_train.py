@@ -26,7 +26,7 @@ from ray.train import RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
 import toy  # noqa: E402
-from raytrain_guard.runtime.train_loop import train_loop_per_worker  # noqa: E402
+from raytrain_guard.runtime.loop.train_loop import train_loop_per_worker  # noqa: E402
 
 
 def main() -> int:

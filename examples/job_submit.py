@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 
 import examples.toy as toy  # noqa: E402
-from raytrain_guard.cluster.launcher import PlanDoesNotFit, ProgressPrinter, launch  # noqa: E402
+from raytrain_guard.cluster.launcher import launch  # noqa: E402
+from raytrain_guard.cluster.planning import PlanDoesNotFit  # noqa: E402
+from raytrain_guard.cluster.progress import ProgressPrinter  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,13 +27,13 @@ import toy  # noqa: E402
 
 def train_func(config: dict) -> None:
     from raytrain_guard import Action, GuardConfig                                   # guard
-    from raytrain_guard.core.buckets import recommend_bucket_cap                     # guard
-    from raytrain_guard.runtime.bandwidth import measure_allreduce_curve             # guard
-    from raytrain_guard.runtime.loader import GuardedDataLoader                      # guard
-    from raytrain_guard.runtime.model import wrap_model                              # guard
-    from raytrain_guard.runtime.probes import ProcessMemoryProbe                     # guard
-    from raytrain_guard.runtime.step_guard import StepGuard                          # guard
-    from raytrain_guard.runtime.timing import attach_comm_timer                      # guard
+    from raytrain_guard.planner.buckets import recommend_bucket_cap                     # guard
+    from raytrain_guard.runtime.dist.bandwidth import measure_allreduce_curve             # guard
+    from raytrain_guard.runtime.data.loader import GuardedDataLoader                      # guard
+    from raytrain_guard.runtime.dist.model import wrap_model                              # guard
+    from raytrain_guard.runtime.guard.comm_timers import attach_comm_timer                 # guard
+    from raytrain_guard.runtime.guard.probes import ProcessMemoryProbe                     # guard
+    from raytrain_guard.runtime.guard.step_guard import StepGuard                          # guard
 
     ctx = ray.train.get_context()
     guard_config = GuardConfig()                                                     # guard

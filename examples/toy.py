@@ -3,7 +3,7 @@
 Everything is fast on CPU. Every sample carries its index as ``"id"``, so a run can prove that
 each sample was consumed exactly once (the train loop's ``audit_dir``).
 
-The factory contract of :func:`raytrain_guard.runtime.train_loop.train_loop_per_worker`:
+The factory contract of :func:`raytrain_guard.runtime.loop.train_loop.train_loop_per_worker`:
 ``model_factory() -> nn.Module``, ``dataset_factory() -> Dataset``,
 ``optimizer_factory(params) -> Optimizer``, ``loss_fn(model, batch) -> scalar tensor``.
 Parametrize them with ``functools.partial``.

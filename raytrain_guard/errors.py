@@ -47,6 +47,14 @@ class TraceError(PlanInputError):
     """The user's model could not be traced on the fake or meta device."""
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line (a message may hold newlines), cut to ``limit`` characters:
+    how an error of the user's code or of a library is quoted inside one of ours."""
+    message = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def check_int(field: str, value: object, *, at_least: int = 0, fix: str = "",
               error: type[InputError] = InputError, parse: bool = False) -> int:
     """``value`` if it is an integer >= ``at_least`` (a bool is not), else ``error`` naming

@@ -8,14 +8,10 @@ naming the field, the value and the fix.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from raytrain_guard.errors import InputError
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 200 else text[:197] + "..."
+from raytrain_guard.errors import InputError, one_line
 
 
 def load_object(spec: str | Callable[..., Any], *, field_name: str,
@@ -34,7 +30,7 @@ def load_object(spec: str | Callable[..., Any], *, field_name: str,
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's input
-        raise error(field_name, f"cannot import module {module_name!r} ({_one_line(exc)})",
+        raise error(field_name, f"cannot import module {module_name!r} ({one_line(exc)})",
                     value=spec, fix="check the module path and that it imports; it must be "
                                     "importable where it runs (the working directory, or a Ray "
                                     "runtime_env working_dir/py_modules on the workers)") from None

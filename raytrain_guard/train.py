@@ -6,7 +6,7 @@ fit, starts the node monitors and the run's coordinator, returns Ray's ``Result`
 :func:`prepare_optimizer` keep Ray's signatures and add the planned wrapping, the sized loader
 and step timing without marks; :func:`get_guard` is the worker's handle (``should_stop()``).
 This module is the driver's Ray layer; the worker side is
-:mod:`raytrain_guard.runtime.worker_guard`. The diff to apply and what each piece does:
+:mod:`raytrain_guard.runtime.dropin.worker`. The diff to apply and what each piece does:
 docs/drop_in.md.
 """
 
@@ -24,17 +24,15 @@ from typing import Any
 import ray.train
 import ray.train.torch
 
-from raytrain_guard.cluster.launcher import (
-    DEFAULT_NAMESPACE,
-    RunSummary,
-    check_plan,
-    summarize,
-    worker_range,
-)
+from raytrain_guard.cluster.launcher import DEFAULT_NAMESPACE, guard_actors, worker_range
+from raytrain_guard.cluster.planning import FirstBatch, check_plan, plan_model
+from raytrain_guard.cluster.summary import GuardReport, build_report
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.coordination.client import coordinator_name
 from raytrain_guard.errors import InputError, check_int
-from raytrain_guard.runtime.dropin_summary import combine_summaries
-from raytrain_guard.runtime.worker_guard import (
+from raytrain_guard.factories import load_object
+from raytrain_guard.runtime.dist.model import parse_strategy
+from raytrain_guard.runtime.dropin.worker import (
     WorkerGuard,
     WorkerSettings,
     current_guard,
@@ -101,7 +99,6 @@ class GuardOptions:
                 raise InputError("guard.sample_factory", "missing: the plan traces one batch",
                                  value=None, fix="pass sample_factory=() -> batch, or "
                                                  "dataset_factory=() -> Dataset")
-        from raytrain_guard.runtime.model import parse_strategy
         parse_strategy(self.strategy, field_name="guard.strategy")
 
     @classmethod
@@ -130,47 +127,6 @@ class GuardOptions:
         return cls(config=config or GuardConfig(), **options)
 
 
-@dataclass(frozen=True)
-class GuardReport:
-    """``result.guard``: what the guard saw and did in a run."""
-
-    run: RunSummary
-    """The launcher's summary: steps, throughput, step p50/p99, data wait, detections,
-    decisions (from the coordinator's status and the ranks' summaries)."""
-    attribution: tuple[Mapping[str, Any], ...] = ()
-    """One entry per rank: its role (``straggler_compute``, ``straggler_data``, ``waiting``,
-    ``normal``) and the reason with the figures."""
-    loaders: tuple[Mapping[str, Any] | None, ...] = ()
-    """Per rank: the DataLoader settings in force, what was lowered and why, the data wait."""
-    attempts: int = 0
-    """Worker groups started: each failure ended one, and a run that finished had one more
-    (at least the coordinator's attempt number, which counts the groups that reached their
-    first step)."""
-    worker_failures: tuple[Mapping[str, Any], ...] = ()
-    """Ray Train's controller's ``after_exception`` calls: the ranks and their errors."""
-    num_reports: int = 0
-    """``ray.train.report`` rounds the controller saw (``after_report``)."""
-    ranks: tuple[Mapping[str, Any], ...] = ()
-    """Each rank's own summary (window, decisions, loader, stop), as posted at its end."""
-
-    def format(self) -> str:
-        """What a person reads: the run summary (the attribution is among its detections),
-        attempts, and each rank's DataLoader settings in force."""
-        lines = [self.run.format(), (f"  attempts     {self.attempts} (worker failures "
-                                    f"{len(self.worker_failures)}, reports {self.num_reports})")]
-        for rank, loader in enumerate(self.loaders):
-            if loader:
-                lines.append(f"  loader {rank:<5} num_workers {loader['num_workers']} "
-                             f"prefetch_factor {loader['prefetch_factor']} persistent_workers "
-                             f"{loader['persistent_workers']}, data wait "
-                             f"{loader.get('data_wait_frac') or 0:.1%}")
-                lines += [f"    - lowered: {w}" for w in loader.get("lowered") or ()]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
 # -- the trainer -----------------------------------------------------------------------------------
 
 class TorchTrainer(ray.train.torch.TorchTrainer):
@@ -197,41 +153,27 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
     def fit(self) -> Any:
         """Plan, start the guard's actors, train, tear down; ``result.guard`` is the
         :class:`GuardReport` (also ``self.report``, kept when training raises)."""
-        from raytrain_guard.cluster.actors import start_coordinator, start_monitors, stop_all
-
         options = self.guard_options
         self.plan_line = self._check_plan()
         if not ray.is_initialized():
             ray.init(namespace=options.namespace)
         start = time.perf_counter()
-        handles = {}
-        finished = False
-        try:
-            # keep the handles: a named, non-detached actor dies with its owner's last handle
-            handles["monitors"] = start_monitors(options.namespace, self.run_id, options.config,
-                                                 options.probe_factory)
-            handles["coordinator"] = start_coordinator(options.namespace, self.run_id,
-                                                       options.config,
-                                                       run_name=self.settings.run_name)
-            logger.info("run %s (%s): %d node monitor(s) and coordinator started in namespace "
-                        "%r", self.run_id, self.settings.run_name, len(handles["monitors"]),
-                        options.namespace)
-            result = super().fit()
-            finished = True
-        finally:
-            self.report = self._collect(handles.get("coordinator"), time.perf_counter() - start,
-                                        finished=finished)
+        with guard_actors(options.namespace, self.run_id, options.config,
+                          run_name=self.settings.run_name,
+                          probe_factory=options.probe_factory) as coordinator:
+            finished = False
             try:
-                stop_all(options.namespace, self.run_id)
-            except Exception:  # teardown must not hide the run's own error
-                logger.warning("stopping the guard's actors failed", exc_info=True)
+                result = super().fit()
+                finished = True
+            finally:
+                self.report = self._collect(coordinator, time.perf_counter() - start,
+                                            finished=finished)
         result.guard = self.report
         return result
 
     def request_stop(self, reason: str, timeout_s: float = 10.0) -> dict[str, Any]:
         """From the driver while ``fit()`` runs (another thread): every rank checkpoints and
         stops at the next agreement step (:meth:`WorkerGuard.should_stop`). Touches ``ray.get``."""
-        from raytrain_guard.cluster.client import coordinator_name
         handle = ray.get_actor(coordinator_name(self.run_id), namespace=self.guard_options
                                .namespace)
         return ray.get(handle.request_stop.remote(reason), timeout=timeout_s)
@@ -272,66 +214,20 @@ class TorchTrainer(ray.train.torch.TorchTrainer):
                             finished=finished)
 
 
-def build_report(run_id: str, status: Mapping[str, Any], summaries: Mapping[int, Any],
-                 events: list[Mapping[str, Any]], wall_s: float, plan_line: str = "", *,
-                 straggler_frac: float, finished: bool = True) -> GuardReport:
-    """The :class:`GuardReport` of a run from what the coordinator gathered (``finished``:
-    the run ended without an error)."""
-    ranks = [summaries[r] for r in sorted(summaries)]
-    combined = combine_summaries(ranks, straggler_frac=straggler_frac) if ranks else {}
-    loaders = combined.get("loader") or []
-    results = {"step": combined.get("steps", 0), "world_size": len(ranks) or 1,
-               "loader": [lo for lo in loaders if lo],
-               "decisions": combined.get("decisions") or [],
-               "attribution": combined.get("attribution") or [],
-               "stopped_early": combined.get("stopped_early", False),
-               "stop_reason": combined.get("stop_reason")}
-    batch = sum(lo["batch_size"] for lo in loaders if lo)
-    run = summarize(run_id, results, status, wall_s, plan_line, batch)
-    failures = tuple(e for e in events if e.get("kind") == "exception")
-    return GuardReport(run=run, attribution=tuple(results["attribution"]),
-                       loaders=tuple(loaders),
-                       attempts=max(int(status.get("attempt") or 0),
-                                    len(failures) + (1 if finished else 0)),
-                       worker_failures=failures,
-                       num_reports=sum(1 for e in events if e.get("kind") == "report"),
-                       ranks=tuple(ranks))
-
-
 def plan_options(options: GuardOptions, *, num_workers: int, use_gpu: bool) -> Any:
     """The capacity plan of ``options``' model (traced on the fake device) for ``num_workers``
-    ranks: :func:`raytrain_guard.cluster.launcher.plan_run`'s arithmetic."""
-    import os
-
-    from raytrain_guard.cluster.launcher import _first_batch_factory, _optimizer_kind
-    from raytrain_guard.core.memory_model import TrainingSetup
-    from raytrain_guard.core.planner import plan
-    from raytrain_guard.factories import load_object
-    from raytrain_guard.host_memory import host_memory
-    from raytrain_guard.runtime.model import parse_strategy
-    from raytrain_guard.trace import trace_model
-
-    config = options.config
-    sample = options.sample_factory or _first_batch_factory(
+    ranks (:func:`~raytrain_guard.cluster.planning.plan_model`)."""
+    sample = options.sample_factory or FirstBatch(
         load_object(options.dataset_factory, field_name="guard.dataset_factory"),
         options.micro_batch)
-    optimizer = _optimizer_kind(load_object(options.optimizer_factory,
-                                            field_name="guard.optimizer_factory"))
-    traced = trace_model(options.model_factory, sample, loss=options.loss_fn,
-                         optimizer=optimizer)
-    host = host_memory()[0]
-    device_bytes = options.device_memory_bytes
-    if device_bytes is None:
-        if use_gpu:
-            raise InputError("guard.device_memory_bytes", "unknown for a GPU run", value=None,
-                             fix="pass device_memory_bytes (e.g. units.parse_bytes('80GiB'))")
-        device_bytes = config.cpu_memory_budget_bytes or host // max(1, num_workers)
-    setup = TrainingSetup(strategy=parse_strategy(options.strategy), optimizer=optimizer,
-                          micro_batch=options.micro_batch, grad_accum=1, world_size=num_workers,
-                          foreach=bool(use_gpu))
-    return plan(model=traced.model_stats, activations=traced.activations, setup=setup,
-                device_memory_bytes=int(device_bytes), host_memory_bytes=host,
-                cpus_per_node=os.cpu_count(), gpus_per_node=max(1, num_workers), config=config)
+    return plan_model(
+        model_factory=options.model_factory, sample_factory=sample, loss_fn=options.loss_fn,
+        optimizer_factory=load_object(options.optimizer_factory,
+                                      field_name="guard.optimizer_factory"),
+        strategy=parse_strategy(options.strategy), micro_batch=options.micro_batch,
+        num_workers=num_workers, use_gpu=use_gpu,
+        device_memory_bytes=options.device_memory_bytes, config=options.config,
+        device_field="guard.device_memory_bytes")[0]
 
 
 class GuardCallback(ray.train.UserCallback):
@@ -357,7 +253,6 @@ class GuardCallback(ray.train.UserCallback):
             return
         try:
             if self._handle is None:
-                from raytrain_guard.cluster.client import coordinator_name
                 self._handle = ray.get_actor(coordinator_name(self.run_id),
                                              namespace=self.namespace)
             self._handle.record_train_event.remote(event)

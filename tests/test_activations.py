@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_guard.core.activations import (
+from raytrain_guard.errors import PlanInputError
+from raytrain_guard.planner.activations import (
     AttentionKernel,
     Recompute,
     TransformerShape,
@@ -13,8 +14,7 @@ from raytrain_guard.core.activations import (
     transformer_activations,
     transformer_model_stats,
 )
-from raytrain_guard.core.memory_model import Precision, TrainingSetup, estimate
-from raytrain_guard.errors import PlanInputError
+from raytrain_guard.planner.memory_model import Precision, TrainingSetup, estimate
 
 # s = 32, h = 64, a = 4, b = 1: sbh = 2048, a s^2 b = 4096
 SMALL = dict(layers=2, hidden=64, heads=4, seq_len=32, vocab=100)

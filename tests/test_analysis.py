@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from raytrain_guard.core.faults import parse_fault
 from raytrain_guard.experiment import analysis
 from raytrain_guard.experiment.audit import audit_arm
+from raytrain_guard.experiment.faults import parse_fault
 from raytrain_guard.experiment.report import format_text
 
 WORLD, MICRO = 2, 4
@@ -212,7 +212,7 @@ def test_an_arm_without_traces_is_an_error_naming_the_folder(tmp_path):
 def _sampler_audits(num_samples, world, micro, seed, attempts):
     """Audit records from the loop's real sampler: ``attempts`` = [(attempt, epoch, start
     position, first step, steps)]: each attempt reads from ``start`` of ``epoch`` on."""
-    from raytrain_guard.runtime.sampler import ResumableDistributedSampler
+    from raytrain_guard.runtime.data.sampler import ResumableDistributedSampler
 
     audits = {r: [] for r in range(world)}
     for attempt, epoch, start, first, steps in attempts:
@@ -248,7 +248,7 @@ def test_the_loops_sampler_gives_each_rank_the_ids_the_audit_expects(resume_at, 
 def test_the_samplers_padding_is_where_the_audit_expects_it():
     """10 samples on 3 ranks (padded to 12 with the epoch's head), micro-batch 2; attempt b
     resumes mid-epoch 1 at position 6, whose padding is the head again."""
-    from raytrain_guard.runtime.sampler import ResumableDistributedSampler
+    from raytrain_guard.runtime.data.sampler import ResumableDistributedSampler
 
     audits = _sampler_audits(10, 3, 2, 5, [("a", 0, 0, 0, 2), ("a", 1, 0, 2, 1),
                                            ("b", 1, 6, 3, 1)])

@@ -7,15 +7,15 @@ import pytest
 import torch
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
-from raytrain_guard.batch_inspect import (
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.errors import PlanInputError
+from raytrain_guard.planner.batch_inspect import (
     is_list_backed,
     list_backed_attributes,
     measure_batch,
     measure_dataset,
 )
-from raytrain_guard.config import GuardConfig
-from raytrain_guard.errors import PlanInputError
-from raytrain_guard.runtime.batches import batch_nbytes, batch_signature, leading_batch_size
+from raytrain_guard.planner.batches import batch_nbytes, batch_signature, leading_batch_size
 
 Pair = collections.namedtuple("Pair", "x y")
 

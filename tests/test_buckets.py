@@ -3,8 +3,12 @@
 import pytest
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.buckets import count_buckets, efficient_message_bytes, recommend_bucket_cap
 from raytrain_guard.errors import PlanInputError
+from raytrain_guard.planner.buckets import (
+    count_buckets,
+    efficient_message_bytes,
+    recommend_bucket_cap,
+)
 from raytrain_guard.units import GiB, MiB
 
 C = GuardConfig()

@@ -21,11 +21,12 @@ torch = pytest.importorskip("torch")
 
 from gloo_world import one_rank
 
-from raytrain_guard.core.memory_model import Strategy
+from raytrain_guard import log
 from raytrain_guard.errors import InputError
-from raytrain_guard.runtime import checkpoint
-from raytrain_guard.runtime.checkpoint import META_FILE, load_sharded, read_meta, save_sharded
-from raytrain_guard.runtime.model import KIND_DDP, PlannedModel, wrap_model, wrap_optimizer
+from raytrain_guard.planner.memory_model import Strategy
+from raytrain_guard.runtime.dist import zero_state
+from raytrain_guard.runtime.dist.checkpoint import META_FILE, load_sharded, read_meta, save_sharded
+from raytrain_guard.runtime.dist.model import KIND_DDP, PlannedModel, wrap_model, wrap_optimizer
 
 
 class Tokenizer:
@@ -87,7 +88,7 @@ def _names_without_get_fqns(monkeypatch, module) -> dict[str, str]:
     from torch.distributed.checkpoint import state_dict
     with monkeypatch.context() as patch:
         patch.delattr(state_dict, "_get_fqns")
-        return _by_name(module, checkpoint._param_names(module))
+        return _by_name(module, zero_state.param_names(module))
 
 
 def _by_name(module, names) -> dict[str, str]:
@@ -96,18 +97,18 @@ def _by_name(module, names) -> dict[str, str]:
 
 def test_names_without_get_fqns_match_torchs_for_plain_and_ddp_modules(tmp_path, monkeypatch,
                                                                        caplog):
-    monkeypatch.setattr(checkpoint, "_warned", set())
-    caplog.set_level(logging.WARNING, logger=checkpoint.__name__)
+    monkeypatch.setattr(log, "_SAID", set())
+    caplog.set_level(logging.WARNING, logger=zero_state.__name__)
     plain = _mlp()
     want = {"0.weight": "0.weight", "0.bias": "0.bias",
             "2.0.weight": "2.0.weight", "2.0.bias": "2.0.bias"}
-    assert _by_name(plain, checkpoint._param_names(plain)) == want
+    assert _by_name(plain, zero_state.param_names(plain)) == want
     assert _names_without_get_fqns(monkeypatch, plain) == want
 
     def body():
         wrapped = torch.nn.parallel.DistributedDataParallel(_mlp())
         prefixed = {f"module.{k}": v for k, v in want.items()}
-        assert _by_name(wrapped, checkpoint._param_names(wrapped)) == prefixed
+        assert _by_name(wrapped, zero_state.param_names(wrapped)) == prefixed
         assert _names_without_get_fqns(monkeypatch, wrapped) == prefixed
 
     one_rank(body, str(tmp_path))
@@ -122,18 +123,18 @@ def test_names_without_get_fqns_match_torchs_for_plain_and_ddp_modules(tmp_path,
 ], ids=["str", "two-names", "signature"])
 def test_a_changed_get_fqns_falls_back_to_the_module_path(monkeypatch, changed):
     from torch.distributed.checkpoint import state_dict
-    monkeypatch.setattr(checkpoint, "_warned", set())
+    monkeypatch.setattr(log, "_SAID", set())
     plain = _mlp()
     with monkeypatch.context() as patch:
         patch.setattr(state_dict, "_get_fqns", changed)
-        names = _by_name(plain, checkpoint._param_names(plain))
+        names = _by_name(plain, zero_state.param_names(plain))
     assert names == {n: n for n, _ in plain.named_parameters()}
-    assert checkpoint._warned == {"_get_fqns"}
+    assert log._SAID == {(zero_state.__name__, "_get_fqns")}
 
 
 def test_zero1_saves_and_resumes_without_get_fqns(tmp_path, monkeypatch):
     """A one-rank ZeRO-1 run: saved with torch's _get_fqns and without it (hidden from the
-    checkpoint module only: torch's own state dict functions still need it), the checkpoints
+    zero_state module only: torch's own state dict functions still need it), the checkpoints
     hold the same entries, and a resume without it restores the optimizer state."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -151,7 +152,7 @@ def test_zero1_saves_and_resumes_without_get_fqns(tmp_path, monkeypatch):
         _step(planned, optimizer)
         save_sharded(tmp_path / "with", planned, optimizer, step=1, loader_state={},
                      guard_state=None)
-        monkeypatch.setattr(checkpoint, "_torch_get_fqns", lambda: None)
+        monkeypatch.setattr(zero_state, "_torch_get_fqns", lambda: None)
         save_sharded(tmp_path / "without", planned, optimizer, step=1, loader_state={},
                      guard_state=None)
         fresh, fresh_optimizer = zero1()

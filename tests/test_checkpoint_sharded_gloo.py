@@ -28,7 +28,7 @@ GLOBAL_BATCH = 12          # a slice for every rank of a world of 1, 2 or 3
 
 
 def _fresh(strategy: str):
-    from raytrain_guard.runtime.model import wrap_model, wrap_optimizer
+    from raytrain_guard.runtime.dist.model import wrap_model, wrap_optimizer
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
                                 torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -72,7 +72,7 @@ def _settings(optimizer) -> list[dict]:
 def _worker(rank: int, out: str) -> None:
     import torch.distributed as dist
 
-    from raytrain_guard.runtime.checkpoint import load_sharded, save_sharded
+    from raytrain_guard.runtime.dist.checkpoint import load_sharded, save_sharded
 
     result = {}
     for strategy in STRATEGIES:
@@ -139,7 +139,9 @@ def test_sharded_checkpoints_resume_exactly_on_the_same_world(saved):
 
 @pytest.mark.timeout(120)
 def test_a_world_of_one_resumes_every_strategy(saved):
-    from raytrain_guard.runtime.checkpoint import load_sharded, read_sharded
+    from sharded_reader import read_sharded
+
+    from raytrain_guard.runtime.dist.checkpoint import load_sharded
 
     out, results = saved
     for strategy in STRATEGIES:
@@ -166,10 +168,10 @@ def test_a_world_of_one_resumes_every_strategy(saved):
 def test_zero1_writes_each_partition_on_the_rank_that_owns_it(saved):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from raytrain_guard.core.host_account import checkpoint_shard
-    from raytrain_guard.core.memory_model import TrainingSetup
-    from raytrain_guard.core.model_stats import ModelStats
-    from raytrain_guard.runtime.checkpoint import META_FILE
+    from raytrain_guard.planner.host_account import checkpoint_shard
+    from raytrain_guard.planner.memory_model import TrainingSetup
+    from raytrain_guard.planner.model_stats import ModelStats
+    from raytrain_guard.runtime.dist.checkpoint import META_FILE
 
     out, results = saved
     owned = [results[r]["zero1"]["owned"] for r in (0, 1)]
@@ -212,7 +214,7 @@ def _tensor_bytes_per_file(directory) -> dict[str, int]:
 
 
 def _resume_on_three(rank: int, directory: str, out: str) -> None:
-    from raytrain_guard.runtime.checkpoint import load_sharded
+    from raytrain_guard.runtime.dist.checkpoint import load_sharded
 
     planned, optimizer = _fresh("zero1")
     load_sharded(directory, planned, optimizer, world_rank=rank)
@@ -226,7 +228,7 @@ def _resume_on_three(rank: int, directory: str, out: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_zero1_resumes_on_a_larger_world_with_another_partition(saved):
-    from raytrain_guard.runtime.checkpoint import read_sharded
+    from sharded_reader import read_sharded
 
     out, results = saved
     directory = out / "zero1" / "merged"

@@ -389,22 +389,26 @@ def test_console_script():
 def test_machine_ram_default_is_the_container_limit(monkeypatch):
     # the cgroup files are the input here (this box has no limit): a 2 GiB container limit on
     # a larger machine must be what `plan` divides, not the machine's RAM
-    import raytrain_guard.host_memory as host_memory
-    from raytrain_guard import cli
+    import raytrain_guard.runtime.host_memory as host_memory
+    from raytrain_guard.cli import sources
 
     monkeypatch.setattr(host_memory, "read_cgroup_memory", lambda: (2 * 1024**3, 1024**3))
-    assert cli._host_memory() == 2 * 1024**3
+    assert sources.machine_memory() == 2 * 1024**3
 
 
 def test_configuration_doc_is_the_dataclass_metadata():
     # docs/configuration.md is generated from GuardConfig's field docs; a default or rule
     # changed in one place only fails here (regenerate: python docs/generate_configuration.py)
     import dataclasses
+    import importlib.util
 
-    from raytrain_guard.cli import config_reference_markdown
     from raytrain_guard.config import GuardConfig
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
-    assert doc == config_reference_markdown()
+    spec = importlib.util.spec_from_file_location("generate_configuration",
+                                                  ROOT / "docs" / "generate_configuration.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    assert doc == generator.markdown()
     for f in dataclasses.fields(GuardConfig):       # every key has a row and a rule
         assert f"| `{f.name}` |" in doc and f.metadata.get("doc")
 

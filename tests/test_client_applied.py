@@ -3,8 +3,8 @@ report, so the effect is measured from the step the decision took effect."""
 
 from __future__ import annotations
 
-from raytrain_guard.cluster.client import CoordinatorClient, LockstepDecisionSource
-from raytrain_guard.cluster.lockstep import Lockstep, SingleRankExchange
+from raytrain_guard.coordination.client import CoordinatorClient, LockstepDecisionSource
+from raytrain_guard.coordination.lockstep import Lockstep, SingleRankExchange
 from raytrain_guard.core.decisions import Action, Cause, Decision
 from raytrain_guard.core.steps import StepStats
 
@@ -29,17 +29,16 @@ class Handle:
 
 
 class DeliveringClient(CoordinatorClient):
-    """The real client; its one ray.wait/ray.get method finds every call answered, and the
+    """The real client; its one method that waits on Ray finds every call answered, and the
     first fetch brings ``decision``."""
 
     def __init__(self, decision: Decision, **kw) -> None:
         super().__init__(**kw)
         self.delivery = [decision.to_dict()]
 
-    def _ready_results(self):
-        self._reports, self._fetch = [], None
+    def _answers(self, refs):
         delivery, self.delivery = self.delivery, []
-        return delivery
+        return [None, delivery]
 
 
 def _stats(*steps):
@@ -53,7 +52,7 @@ def test_the_step_a_decision_was_applied_at_goes_with_the_next_report():
                       {"micro_batch": 4, "grad_accum": 2}, decision_id=9)
     client = DeliveringClient(shrink, name="c", namespace="ns", world_rank=0, node_id="n0",
                               report_every_steps=2, lookup=lambda name, ns: handle,
-                              run_lookup=lambda look_up: look_up())
+                              background=False)
     source = LockstepDecisionSource(Lockstep(every_steps=4, exchange=SingleRankExchange()),
                                     client)
     assert source.poll(2, _stats(0, 1)) == []

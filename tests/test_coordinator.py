@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from raytrain_guard.cluster.coordinator import Coordinator
+from raytrain_guard.cluster.coordinator.coordinator import Coordinator
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.node_samples import GpuSample, HostSample, NodeSample
 from raytrain_guard.core.steps import StepStats
@@ -46,6 +46,9 @@ REJECTED = [
     ("malformed", (0, "n0", 0, [{"step": 11}])),                 # no total_s
     ("malformed", (0, "n0", 0, [{"step": 11, "total_s": float("nan")}])),
     ("malformed", (0, "n0", 0, batch(0, 11, mem="high"))),
+    ("malformed", (0, "n0", 0, batch(0, 11, data=True))),        # a bool is no figure
+    ("malformed", (0, "n0", 0, batch(0, 11, comm=float("inf")))),
+    ("malformed", (0, "n0", 0, batch(0, 11, compute=-0.1))),
     ("malformed", (0, "n0", 0, batch(0, 11)[::-1])),             # steps decreasing
     ("malformed", ("zero", "n0", 0, batch(0, 11))),
     ("malformed", (0, "", 0, batch(0, 11))),
@@ -201,7 +204,7 @@ def test_window_memory_is_bounded():
     c = coordinator(step_window=20)
     for first in range(1, 1001, 10):
         c.report_steps(0, "n0", 0, batch(0, first))
-    assert len(c._ranks[0].window) == 20 and len(c._ranks[0].batches) <= 8
+    assert len(c._ranks[0].columns) == 20 and len(c._ranks[0].batches) <= 8
 
 
 def test_attempts_are_issued_without_clocks_and_adopted_after_a_restart():
@@ -227,13 +230,12 @@ def test_attempts_are_issued_without_clocks_and_adopted_after_a_restart():
 
 
 def test_reports_as_rows_in_step_field_order():
-    from raytrain_guard.cluster.client import _row
-    from raytrain_guard.cluster.coordinator_reports import STEP_FIELDS
+    from raytrain_guard.coordination.client import STEP_FIELDS, step_row
     s = StepStats(step=4, total_s=1.0, data_wait_s=0.1, forward_s=0.2, backward_s=0.3,
                   comm_wait_s=0.15, optimizer_s=0.05, memory_frac=0.5, world_rank=1)
-    assert _row(s) == tuple(getattr(s, f) for f in STEP_FIELDS)   # the client's row order
+    assert step_row(s) == tuple(getattr(s, f) for f in STEP_FIELDS)   # the client's row order
     c = coordinator()
-    c.report_steps(1, "n0", 0, [_row(s)])
+    c.report_steps(1, "n0", 0, [step_row(s)])
     c.report_steps(1, "n0", 0, [(5, 1.0)])                         # a short row: malformed
     st = c.status()
     assert st["ranks"][1]["step"] == 4 and st["ranks"][1]["memory_frac"] == 0.5
@@ -369,7 +371,7 @@ def test_a_decision_no_rank_applied_is_never_measured_nor_judged_missed():
 def test_escalation_to_a_priced_shrink_after_a_missed_release():
     from test_effects import plan
 
-    from raytrain_guard.core.effects import GradSync
+    from raytrain_guard.planner.memory_model import GradSync
     c = coordinator()
     assert c.set_plan(plan("fsdp-full", GradSync.EVERY_MICRO_BATCH).to_dict())
     report(c, 1, 0.89)

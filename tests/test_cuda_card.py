@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_guard.runtime.cuda_card import CudaCard
+from raytrain_guard.runtime.guard.cuda_card import CudaCard
 
 
 class _FakeCuda:

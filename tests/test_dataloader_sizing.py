@@ -3,8 +3,8 @@
 import pytest
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.dataloader_sizing import DataLoaderPlan, size_dataloader
 from raytrain_guard.errors import InputError, PlanInputError
+from raytrain_guard.planner.dataloader_sizing import DataLoaderPlan, size_dataloader
 from raytrain_guard.units import GiB, MiB
 
 C = GuardConfig()

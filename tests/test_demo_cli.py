@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from raytrain_guard import cli
-from raytrain_guard.cluster import demo
-from raytrain_guard.core.faults import parse_fault
+from raytrain_guard.experiment import demo
 from raytrain_guard.experiment import analysis, runner
+from raytrain_guard.experiment.faults import parse_fault
 
 
 def test_the_demo_faults_are_valid_specs_on_two_ranks():

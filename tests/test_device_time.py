@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from raytrain_guard.core.faults import parse_fault
 from raytrain_guard.experiment.device_time import DeviceTime
-from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+from raytrain_guard.experiment.faults import parse_fault
+from raytrain_guard.runtime.loop.config import REHEARSAL
+from raytrain_guard.runtime.loop.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
 
 BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
             "dataset_factory": "raytrain_guard.experiment.model:make_dataset",
@@ -53,7 +54,7 @@ def test_the_loop_waits_the_device_time_and_slow_compute_stretches_it(tmp_path):
     config = LoopConfig.from_dict({
         **BUILT_IN, "micro_batch": 8, "max_steps": 12, "num_workers": 0, "seed": 3,
         "measure_bandwidth": False, "checkpoint_every_steps": 100,
-        "trace_dir": str(tmp_path / "trace"),
+        "trace_dir": str(tmp_path / "trace"), "rehearsal": REHEARSAL,
         "faults": {"inject": [slow.to_dict()], "marker_dir": str(tmp_path),
                    "device_step_s": 0.04}})
     GuardedTrainLoop(config, reporter=DirectoryReporter(str(tmp_path))).run()

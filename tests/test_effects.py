@@ -2,7 +2,7 @@
 
 The model: 2 B trainable parameters (fp32, AdamW), FSDP units of 100 M parameters, 8 ranks,
 an activation profile of 6 GiB per sample ("given": the model adds the first unit's gradients
-at accumulation 1), an 80 GiB card. Each prediction is held to ``core.memory_model.estimate``
+at accumulation 1), an 80 GiB card. Each prediction is held to ``planner.memory_model.estimate``
 on the same setup (the planner's model, not a second one; its reserve rules included).
 
 Shrinking micro-batch 2 x accumulation 1 to 1 x 2 frees one sample of activations (6 GiB), and:
@@ -36,11 +36,12 @@ from raytrain_guard.core.effects import (
     reserved_peak_bytes,
     shrink_effect,
 )
-from raytrain_guard.core.memory_model import TrainingSetup, estimate
-from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.core.node_samples import HostSample, NodeSample, RunSetup
-from raytrain_guard.core.policy import ClusterView, PolicyState, RankView, decide
+from raytrain_guard.core.policy import decide
 from raytrain_guard.core.steps import StepStats
+from raytrain_guard.core.view import ClusterView, PolicyState, RankView
+from raytrain_guard.planner.memory_model import TrainingSetup, estimate
+from raytrain_guard.planner.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.units import GiB, MiB
 
 CFG = GuardConfig()

@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 
 from examples import toy
-from raytrain_guard.runtime.train_loop import train_loop_per_worker
+from raytrain_guard.runtime.loop.train_loop import train_loop_per_worker
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 SAMPLES, GLOBAL_BATCH, STEPS_PER_EPOCH, EPOCHS = 64, 8, 8, 2

@@ -13,10 +13,12 @@ import json
 import pytest
 import torch
 
-from raytrain_guard.core.faults import parse_fault
+from raytrain_guard.experiment.card import SimulatedDevice
+from raytrain_guard.experiment.faults import parse_fault
+from raytrain_guard.experiment.injection import lengthen
 from raytrain_guard.experiment.runner import BUILT_IN_DEVICE_MEMORY_BYTES
-from raytrain_guard.runtime.faults import SimulatedDevice, lengthen
-from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+from raytrain_guard.runtime.loop.config import REHEARSAL
+from raytrain_guard.runtime.loop.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
 from raytrain_guard.units import MiB
 
 BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
@@ -31,7 +33,7 @@ def _run(tmp_path, name, *, act=True, card=BUILT_IN_DEVICE_MEMORY_BYTES, faults=
     config = LoopConfig.from_dict({
         **BUILT_IN, "micro_batch": 8, "max_steps": 10, "num_workers": 0, "seed": 3,
         "measure_bandwidth": False, "checkpoint_every_steps": 100, "act": act,
-        "device_memory_bytes": card, "trace_dir": str(tmp_path / name / "trace"),
+        "rehearsal": REHEARSAL, "device_memory_bytes": card, "trace_dir": str(tmp_path / name / "trace"),
         "faults": {"inject": [f.to_dict() for f in faults], "delay": list(delays),
                    "marker_dir": str(tmp_path / name)}, **extra})
     (tmp_path / name).mkdir(exist_ok=True)
@@ -43,7 +45,7 @@ def test_observing_the_spike_overflows_the_simulated_card_inside_the_step(tmp_pa
     loop, run = _run(tmp_path, "observe", act=False)
     with pytest.raises(torch.OutOfMemoryError, match="simulated card of rank 0"):
         run()
-    assert loop.step == 6                                   # the spike's first step
+    assert loop.steps.step == 6                             # the spike's first step
     trace = [json.loads(line) for line in open(tmp_path / "observe/trace/rank0.jsonl")]
     assert trace[-1]["t"] == "error" and trace[-1]["error"] == "OutOfMemoryError"
     split = [d for d in trace if d.get("action") == "split_micro_batch"]
@@ -54,7 +56,7 @@ def test_acting_splits_the_spike_and_trains_as_a_card_big_enough_would(tmp_path)
     loop, run = _run(tmp_path, "act")
     results = run()
     assert results["step"] == 10
-    splits = [d for d in loop.decisions if d["action"] == "split_micro_batch"]
+    splits = [d for d in loop.recorder.decisions if d["action"] == "split_micro_batch"]
     assert [d["applied_at"] for d in splits] == [6, 7]
     for d in splits:
         pieces = d["params"]["pieces"]
@@ -65,8 +67,9 @@ def test_acting_splits_the_spike_and_trains_as_a_card_big_enough_would(tmp_path)
         assert d["measured"]["peak_frac"] < 0.88
     big, run_big = _run(tmp_path, "big", card=16 * BUILT_IN_DEVICE_MEMORY_BYTES)
     run_big()
-    assert not [d for d in big.decisions if d["action"] == "split_micro_batch"]
-    for a, b in zip(loop.planned.module.parameters(), big.planned.module.parameters()):
+    assert not [d for d in big.recorder.decisions if d["action"] == "split_micro_batch"]
+    for a, b in zip(loop.model.planned.module.parameters(),
+                    big.model.planned.module.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)   # only the summation order
 
 
@@ -102,7 +105,7 @@ def test_lengthen_repeats_the_sequence_dimension_only():
     (0, 0.001, 0.050, 2),     # a fast fetch still gets the least workers
 ])
 def test_loader_workers_needed_keep_up_with_the_step(workers, wait, rest, needed):
-    from raytrain_guard.core.dataloader_sizing import loader_workers_needed
+    from raytrain_guard.planner.dataloader_sizing import loader_workers_needed
     assert loader_workers_needed(workers, wait, rest) == needed
 
 
@@ -110,10 +113,11 @@ def test_loader_workers_needed_keep_up_with_the_step(workers, wait, rest, needed
 def test_a_step_guard_that_observes_applies_no_local_decision(act, delay):
     from raytrain_guard.config import GuardConfig
     from raytrain_guard.core.decisions import Action, Decision
-    from raytrain_guard.runtime.step_guard import StepGuard
+    from raytrain_guard.runtime.guard.step_guard import StepGuard
 
     guard = StepGuard(GuardConfig(pacing_enabled=True), act=act)
-    guard._apply(Decision(Action.PACE, "memory above the watermark", params={"delay_s": 0.5}))
+    guard._applied([Decision(Action.PACE, "memory above the watermark",
+                             params={"delay_s": 0.5})])
     assert guard.pace_delay_s == delay
 
 
@@ -122,7 +126,7 @@ def test_the_host_memory_fault_is_a_process_holding_the_ram_until_its_stop(tmp_p
 
     import psutil
 
-    from raytrain_guard.runtime.faults import FaultRuntime
+    from raytrain_guard.experiment.injection import FaultRuntime
 
     faults = FaultRuntime([parse_fault("host_memory:rank=0,start=2,stop=4,size=64MiB")],
                           world_rank=0, marker_dir=str(tmp_path))
@@ -140,7 +144,7 @@ def test_the_host_memory_fault_is_a_process_holding_the_ram_until_its_stop(tmp_p
 
 
 def test_a_crash_fires_once_per_run(tmp_path):
-    from raytrain_guard.runtime.faults import FaultRuntime, InjectedCrash
+    from raytrain_guard.experiment.injection import FaultRuntime, InjectedCrash
 
     spec = parse_fault("crash:rank=1,start=3")
     first = FaultRuntime([spec], world_rank=1, marker_dir=str(tmp_path))
@@ -153,7 +157,7 @@ def test_a_crash_fires_once_per_run(tmp_path):
 
 
 def _fsdp_card(rank: int, out: str) -> None:
-    from raytrain_guard.runtime.model import wrap_model
+    from raytrain_guard.runtime.dist.model import wrap_model
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
     planned = wrap_model(model, strategy="fsdp-full", use_ray=False)
@@ -182,8 +186,8 @@ def test_without_split_spikes_the_spike_overflows_the_card_even_when_acting(tmp_
     loop, run = _run(tmp_path, "nosplit", split_spikes=False)
     with pytest.raises(torch.OutOfMemoryError, match="simulated card of rank 0"):
         run()
-    assert loop.step == 6
-    assert not [d for d in loop.decisions if d["action"] == "split_micro_batch"]
+    assert loop.steps.step == 6
+    assert not [d for d in loop.recorder.decisions if d["action"] == "split_micro_batch"]
 
 
 # The settle tests' steps are mostly a wait, as on a device: a 30 ms sleep in every forward
@@ -210,12 +214,12 @@ def _judged(loop):
 def _named(loop):
     """The steps each slow-step event named: its run, the num_steps before applied_at."""
     return [set(range(d["applied_at"] - d["params"]["num_steps"], d["applied_at"]))
-            for d in loop.decisions if d["action"] == "slow_step"]
+            for d in loop.recorder.decisions if d["action"] == "slow_step"]
 
 
 def _steps_ms(loop):
-    """What the gate judged, for a failure's message: (step, total, CPU wait) in ms."""
-    return [(s.step, round(s.total_s * 1e3), s.cpu_wait_s and round(s.cpu_wait_s * 1e3))
+    """What the gate judged, for a failure's message: (step, total) in ms."""
+    return [(s.step, round(s.total_s * 1e3))
             for s in loop.guard.gate.window]
 
 
@@ -246,6 +250,6 @@ def test_a_resumed_runs_first_steps_settle(tmp_path):
     slow = parse_fault("slow_compute:rank=0,start=10,stop=13,factor=6")
     loop, run = _run(tmp_path, "resumed", faults=(slow,), max_steps=13)
     run()
-    assert loop.resumed_from == 10
+    assert loop.steps.resumed_from == 10
     assert _judged(first) and _judged(loop) == _judged(first)
     assert _named(loop) == []

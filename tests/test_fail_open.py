@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from raytrain_guard.runtime.fail_open import FailOpen
+from raytrain_guard.runtime.guard.fail_open import FailOpen
 
 
 def test_a_failing_part_returns_none_and_is_logged_once_per_part(caplog):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from raytrain_guard.core.faults import KINDS, FaultSpec, parse_fault
 from raytrain_guard.errors import InputError
+from raytrain_guard.experiment.faults import KINDS, FaultSpec, parse_fault
 
 
 def test_a_spec_parses_with_its_kind_keys_and_window():
@@ -53,7 +53,7 @@ def test_a_bad_spec_is_one_line_naming_the_kind_or_key_and_the_fix(spec, names):
 
 
 def test_every_kind_has_an_example_that_parses():
-    from raytrain_guard.core.faults import _EXAMPLES
+    from raytrain_guard.experiment.faults import _EXAMPLES
     assert set(_EXAMPLES) == set(KINDS)
     for kind, example in _EXAMPLES.items():
         assert parse_fault(example).kind == kind

@@ -20,6 +20,8 @@ torch = pytest.importorskip("torch")
 
 from gloo_world import spawn  # noqa: E402
 
+from raytrain_guard.runtime.loop.config import REHEARSAL
+
 BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
             "dataset_factory": "raytrain_guard.experiment.model:make_dataset",
             "optimizer_factory": "raytrain_guard.experiment.model:make_optimizer",
@@ -30,9 +32,13 @@ FAULTS = {"slow_compute": "slow_compute:rank=1,start=0,factor=4",
 
 
 def _worker(rank: int, out: str) -> None:
-    from raytrain_guard.core.faults import parse_fault
-    from raytrain_guard.runtime.context import WorkerContext
-    from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+    from raytrain_guard.coordination.context import WorkerContext
+    from raytrain_guard.experiment.faults import parse_fault
+    from raytrain_guard.runtime.loop.train_loop import (
+        DirectoryReporter,
+        GuardedTrainLoop,
+        LoopConfig,
+    )
 
     torch.set_num_threads(1)            # two ranks on two cores: one thread each
     got = {}
@@ -42,7 +48,7 @@ def _worker(rank: int, out: str) -> None:
         config = LoopConfig.from_dict({
             **BUILT_IN, "strategy": "fsdp-full", "micro_batch": 8, "max_steps": 12,
             "num_workers": 0, "seed": 3, "measure_bandwidth": False,
-            "checkpoint_every_steps": 100, "act": False,
+            "checkpoint_every_steps": 100, "act": False, "rehearsal": REHEARSAL,
             "faults": {"inject": [parse_fault(spec).to_dict()], "marker_dir": d}})
         loop = GuardedTrainLoop(config, reporter=DirectoryReporter(d),
                                 context=WorkerContext(world_rank=rank, world_size=2))

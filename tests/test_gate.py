@@ -15,12 +15,8 @@ import pytest
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause
-from raytrain_guard.core.gate import (
-    RankRole,
-    StepGate,
-    attribute_across_ranks,
-    attribute_slow_steps,
-)
+from raytrain_guard.core.gate import RankRole, StepGate, attribute_across_ranks
+from raytrain_guard.core.slow_steps import attribute_slow_steps
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import InputError
 
@@ -161,90 +157,6 @@ def test_the_steps_after_a_checkpoint_settle_before_they_are_judged():
     assert events == [16]
     assert [s.step for s in paused.window] == [2, 3, 4, 5, 6, 7, 11, 12, 13, 14, 15, 16]
     assert [i for i, _ in feed_steps(StepGate(GuardConfig()), kinds)] == [10]
-
-
-# A step slowed by host contention: its compute grew 0.100 s and its thread waited for a CPU
-# 0.100 s over the usual 0.001 (the other process had the core). "starved_half": it waited
-# 0.051 s, just over slow_step_host_wait_frac (0.5) x 0.100 s of excess.
-WAITING = {"n": dict(NORMAL, cpu_wait_s=0.001, peer_cpu_wait_s=0.001), "compute": dict(SLOW["compute"], cpu_wait_s=0.001),
-           "starved": dict(SLOW["compute"], cpu_wait_s=0.101),
-           "starved_half": dict(SLOW["compute"], cpu_wait_s=0.052),
-           "under_half": dict(SLOW["compute"], cpu_wait_s=0.050),
-           "peer_starved_comm": dict(SLOW["comm"], cpu_wait_s=0.001, peer_cpu_wait_s=0.101),
-           "peer_starved_compute": dict(SLOW["compute"], cpu_wait_s=0.001,
-                                        peer_cpu_wait_s=0.101),
-           # slow in communication: this thread and the peer it waited for each waited
-           # 0.030 s over the usual, together over half the 0.100 s of excess
-           "both_waited_comm": dict(SLOW["comm"], cpu_wait_s=0.031, peer_cpu_wait_s=0.031),
-           "self_waited_comm": dict(SLOW["comm"], cpu_wait_s=0.031, peer_cpu_wait_s=0.001),
-           "unread": dict(SLOW["compute"], cpu_wait_s=None),
-           # three times as slow as a starved step (0.500 s of excess), no CPU wait
-           "much_slower": dict(NORMAL, total_s=0.600, forward_s=0.530, cpu_wait_s=0.001)}
-
-
-def feed_waiting(gate: StepGate, kinds) -> list[int]:
-    return [i for i, kind in enumerate(kinds)
-            for d in gate.observe(StepStats(step=i, **WAITING[kind]))
-            if d.action is Action.SLOW_STEP]
-
-
-HOST_WAIT_CASES = [
-    # (name, config changes, kinds, expected event indices, host-starved steps)
-    ("three starved steps are the host's, not the rank's", {}, WARM + ["starved"] * 3, [], 3),
-    ("the same steps without the wait are an event", {}, WARM + ["compute"] * 3, [10], 0),
-    ("half the excess waited is the host's", {}, WARM + ["starved_half"] * 3, [], 3),
-    ("under half is the rank's", {}, WARM + ["under_half"] * 3, [10], 0),
-    # a starved step ends the run it fell in, whose first step was not read for a CPU wait
-    # (GateFeed reads it only over the quiet bound): 8 counted, 9 starved, 10-12 settle
-    # (slow_step_host_settle_steps 3, no slower than 1.5 x step 9)
-    ("a starved step ends the run its unread first step began", {},
-     WARM + ["unread", "starved"] + ["compute"] * 3, [], 4),
-    ("without settling, the three steps after it", {"slow_step_host_settle_steps": 0},
-     WARM + ["unread", "starved"] + ["compute"] * 3, [12], 1),
-    # the contention's aftermath excuses no step slow against the starved one itself
-    # (a fault that starts as the contention ends is named as soon)
-    ("a much slower step after a starved one counts", {},
-     WARM + ["starved"] + ["much_slower"] * 3, [11], 1),
-    # a slowdown named already is not named again when contention comes and goes in it
-    # (11 starved; the slowdown then grows past its aftermath: still the same run)
-    ("a named slowdown through contention is named once", {},
-     WARM + ["compute"] * 3 + ["starved"] + ["much_slower"] * 3, [10], 1),
-    # a step slow in communication: this rank's wait and the waited-for peer's add up
-    ("a wait for a peer plus this rank's own", {}, WARM + ["both_waited_comm"] * 3, [], 3),
-    ("this rank's own wait alone under half", {}, WARM + ["self_waited_comm"] * 3, [10], 0),
-    ("0 turns the rule off", {"slow_step_host_wait_frac": 0.0}, WARM + ["starved"] * 3, [10], 0),
-    # another rank of the node starved: this rank waited for it in the collective
-    ("a wait for a starved peer is the host's", {}, WARM + ["peer_starved_comm"] * 3, [], 3),
-    ("a starved peer does not excuse this rank's compute", {},
-     WARM + ["peer_starved_compute"] * 3, [10], 0),
-]
-
-
-@pytest.mark.parametrize("name,changes,kinds,expected,starved", HOST_WAIT_CASES,
-                         ids=[c[0] for c in HOST_WAIT_CASES])
-def test_a_step_slowed_by_waiting_for_a_cpu_is_the_hosts(name, changes, kinds, expected,
-                                                        starved):
-    gate = StepGate(GuardConfig(**changes))
-    assert feed_waiting(gate, kinds) == expected
-    assert gate.num_host_starved == starved
-
-
-def test_a_starved_step_that_settles_after_a_checkpoint_starts_the_aftermath_too():
-    # a checkpoint before step 8 settles 8-10 unjudged; step 10 was starved, so 11-13 (no
-    # slower than 1.5 x step 10) are its aftermath: no event. Without the starved step 10,
-    # 11-13 make one.
-    def events(kinds):
-        gate = StepGate(GuardConfig())
-        found = []
-        for i, kind in enumerate(kinds):
-            if i == 8:
-                gate.note_pause(8)
-            found += [i for d in gate.observe(StepStats(step=i, **WAITING[kind]))
-                      if d.action is Action.SLOW_STEP]
-        return found
-
-    assert events(WARM + ["compute", "compute", "starved"] + ["compute"] * 3) == []
-    assert events(WARM + ["compute", "compute", "compute"] + ["compute"] * 3) == [13]
 
 
 # Another rank of the node did 0.100 s more work (time less communication wait) than this one's
@@ -492,11 +404,12 @@ AGREE_CASES = [
 
 @pytest.mark.parametrize("name,specs", AGREE_CASES, ids=[c[0] for c in AGREE_CASES])
 def test_attribution_names_the_coordinators_stragglers(name, specs):
-    from raytrain_guard.core.straggler import score_ranks
+    from raytrain_guard.core.straggler import score_summaries, summarize
     windows = [window(r, compute=c, comm=m, data=d) for r, (c, m, d) in enumerate(specs)]
     frac = GuardConfig().straggler_frac
     role = {Cause.COMPUTE: RankRole.STRAGGLER_COMPUTE, Cause.DATA: RankRole.STRAGGLER_DATA}
-    expected = {r: role[s.cause] for r, s in score_ranks(dict(enumerate(windows))).items()
+    expected = {r: role[s.cause] for r, s in score_summaries({r: summarize(w) for r, w in
+                                                            enumerate(windows)}).items()
                 if s.excess_frac >= frac and s.cause in role}
     got = {a.world_rank: a.role for a in attribute_across_ranks(windows, straggler_frac=frac)
            if a.role.name.startswith("STRAGGLER")}
@@ -567,7 +480,7 @@ def test_quiet_bound_holds_with_the_floor():
     gate = StepGate(GuardConfig(), clock=FakeClock())
     for s in _ms_steps([0.4] * 12):
         gate.observe(s)
-    bound_s, _ = gate.quiet_limits(1)
+    (bound_s,), _ = gate.quiet_limits(1)
     assert bound_s == pytest.approx(0.0024)
     assert all(gate.observe(s) == [] for s in _ms_steps([bound_s * 1e3] * 5, first=12))
 

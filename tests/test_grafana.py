@@ -8,16 +8,11 @@ import json
 import re
 
 import pytest
+from grafana_queries import queried_metrics
 
 from raytrain_guard.cli import main
 from raytrain_guard.cluster import metrics
-from raytrain_guard.cluster.grafana import (
-    GPU_PANELS,
-    RAY_PREFIX,
-    dashboard,
-    queried_metrics,
-    series,
-)
+from raytrain_guard.cluster.grafana import GPU_PANELS, RAY_PREFIX, dashboard, series
 
 
 def _exprs(model):

@@ -186,13 +186,14 @@ def _loop_config(guard, source) -> dict:
             "optimizer_factory": toy.make_optimizer, "loss_fn": toy.loss_fn,
             "micro_batch": 8, "epochs": 100, "num_workers": 0, "measure_bandwidth": False,
             "checkpoint_every_steps": 10_000, "guard": guard, "decision_source": source,
+            "rehearsal": "raytrain_guard.experiment.rehearsal:build_rehearsal",
             "faults": {"delay": [delay(seconds=0.03, ranks=[1], steps=[0, SWITCH]),
                                  delay(seconds=0.03, ranks=[0], steps=[SWITCH, 10**6]),
                                  delay(seconds=0.4, ranks=[1], steps=[SPIKE, SPIKE + 4])]}}
 
 
 def _hang_record(rank: int, phase: str, progress_s: float, node_id: str) -> dict:
-    """What a rank's watchdog sends (runtime.watchdog): stuck 10 s into step 150."""
+    """What a rank's watchdog sends (runtime.guard.watchdog): stuck 10 s into step 150."""
     return {"world_rank": rank, "node_id": node_id, "step": 150, "world_size": 2,
             "phase": phase, "phase_for_s": 10.0 - progress_s, "step_for_s": 10.0,
             "last_progress_wall": time.time() - 10.0 + progress_s, "in_collective": False,
@@ -206,9 +207,9 @@ def scraped_run(prometheus_and_ray, tmp_path_factory):
     from ray.train.torch import TorchTrainer
 
     from raytrain_guard.cluster.actors import start_coordinator, start_monitors, stop_all
-    from raytrain_guard.cluster.client import ClusterDecisionSource
     from raytrain_guard.config import GuardConfig
-    from raytrain_guard.runtime.train_loop import train_loop_per_worker
+    from raytrain_guard.coordination.client import ClusterDecisionSource
+    from raytrain_guard.runtime.loop.train_loop import train_loop_per_worker
 
     prom = prometheus_and_ray
     guard = GuardConfig()

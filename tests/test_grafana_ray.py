@@ -2,7 +2,11 @@
 
 The test starts its own head (``ray start --head --block --metrics-export-port=PORT``, free
 ports, its own temp dir) and stops it by ending that process (never ``ray stop``, which would
-stop every Ray on the machine). Auth is not what it is about: ``RAY_AUTH_MODE=disabled``.
+stop every Ray on the machine). Auth is not what it is about: ``RAY_AUTH_MODE=disabled``, set
+only in the head's and the driver's environments: the driver runs in a child process (this
+file, run as a script), since Ray keeps a process's first auth mode and every later local
+cluster of the suite uses token auth. Ports come from below the kernel's ephemeral range, so
+no outgoing connection takes one between the pick and the head's bind.
 
 On that head the package's own code records every metric the dashboard queries: the node
 monitors (a scripted GPU at 50 %, throttled for power; the private memory of the rank actor,
@@ -16,7 +20,9 @@ scrapes.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -40,13 +46,18 @@ RUN_NAME = "grafana_test_run"
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n ports free now, between Ray's worker ports (10002-19999) and the ephemeral range."""
+    ports: list[int] = []
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError("no free ports between 20000 and 32000")
 
 
 @pytest.fixture(scope="module")
@@ -64,23 +75,14 @@ def head():
     log = open(os.path.join(temp, "ray_start.log"), "w")   # noqa: SIM115 - the head's lifetime
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
         deadline = time.monotonic() + 120
-        while True:
+        while not _scrape(metrics_port):
             assert proc.poll() is None, Path(log.name).read_text()[-3000:]
-            try:
-                ray.init(address=f"127.0.0.1:{gcs}", namespace=NS, log_to_driver=False,
-                         logging_level="warning")
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(2)
-        yield metrics_port
+            assert time.monotonic() < deadline, Path(log.name).read_text()[-3000:]
+            time.sleep(2)
+        yield {"gcs": gcs, "metrics": metrics_port, "env": env}
     finally:
-        ray.shutdown()
         proc.send_signal(signal.SIGTERM)          # --block: ends the processes it started
         try:
             proc.wait(timeout=60)
@@ -88,17 +90,14 @@ def head():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
-        if old is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = old
         shutil.rmtree(temp, ignore_errors=True)
 
 
 def _record_everything():
     """Every metric the dashboard queries, recorded by the package's own code on the head."""
+    from raytrain_guard.cluster.monitor.probes import ScriptedProbeFactory
+
     from raytrain_guard.cluster.actors import start_coordinator, start_monitors
-    from raytrain_guard.cluster.node_probes import ScriptedProbeFactory
     from raytrain_guard.config import GuardConfig
     from raytrain_guard.core.node_samples import GpuSample
 
@@ -125,9 +124,9 @@ def _record_everything():
     @ray.remote(num_cpus=0)
     class Rank:
         def record(self, run_name, world_rank):
-            from raytrain_guard.cluster.metrics import RankMetrics
             from raytrain_guard.core.decisions import Action, Decision
             from raytrain_guard.core.steps import StepStats
+            from raytrain_guard.runtime.guard.metrics import RankMetrics
             if not hasattr(self, "metrics"):
                 self.metrics = RankMetrics(run_name, world_rank, watermark_frac=0.88,
                                            critical_frac=0.95)
@@ -159,10 +158,15 @@ def _scrape(port: int) -> str:
         return ""
 
 
-def test_every_dashboard_metric_is_on_the_heads_metrics_endpoint(head):
-    from raytrain_guard.cluster.actors import stop_all
-    from raytrain_guard.cluster.grafana import dashboard, queried_metrics
+def _drive(gcs: int, metrics_port: int) -> dict:
+    """In the child: record everything, scrape until every queried name is there."""
+    from grafana_queries import queried_metrics
 
+    from raytrain_guard.cluster.actors import stop_all
+    from raytrain_guard.cluster.grafana import dashboard
+
+    ray.init(address=f"127.0.0.1:{gcs}", namespace=NS, log_to_driver=False,
+             logging_level="warning")
     wanted = queried_metrics(dashboard())
     again, handles = _record_everything()
     try:
@@ -170,29 +174,44 @@ def test_every_dashboard_metric_is_on_the_heads_metrics_endpoint(head):
         missing, body = wanted, ""
         while time.monotonic() < deadline:
             again()
-            body = _scrape(head)
-            present = set(re.findall(r"^(ray_raytrain_guard_\w+)\{", body, re.MULTILINE))
-            missing = wanted - present
+            body = _scrape(metrics_port)
+            missing = wanted - set(re.findall(r"^(ray_raytrain_guard_\w+)\{", body,
+                                              re.MULTILINE))
             if not missing:
                 break
             time.sleep(3)
-        assert not missing, (sorted(missing), sorted(set(re.findall(
-            r"^(ray_raytrain_guard_\w+)\{", body, re.MULTILINE))))
-        # per-rank metrics carry Ray Train's labels; node metrics the node and the GPU
-        step = [line for line in body.splitlines()
-                if line.startswith("ray_raytrain_guard_rank_step_seconds{")]
-        assert any(f'ray_train_run_name="{RUN_NAME}"' in line
-                   and 'ray_train_worker_world_rank="1"' in line for line in step), step
-        gpu = [line for line in body.splitlines()
-               if line.startswith("ray_raytrain_guard_gpu_memory_frac{")]
-        assert any('gpu="0"' in line and "node_id=" in line for line in gpu), gpu
-        throttled = [line for line in body.splitlines()
-                     if line.startswith("ray_raytrain_guard_gpu_throttled{")
-                     and 'reason="power"' in line]
-        assert throttled and throttled[0].rsplit(" ", 1)[1] in ("1", "1.0"), throttled
-        excess = [line for line in body.splitlines()
-                  if line.startswith("ray_raytrain_guard_straggler_excess_frac{")]
-        assert any(f'ray_train_run_name="{RUN_NAME}"' in line for line in excess), excess
+        return {"missing": sorted(missing), "body": body}
     finally:
         del handles
         stop_all(NS, RUN)
+        ray.shutdown()
+
+
+def test_every_dashboard_metric_is_on_the_heads_metrics_endpoint(head):
+    out = subprocess.run([sys.executable, __file__, str(head["gcs"]), str(head["metrics"])],
+                         env=head["env"], cwd=Path(__file__).parent, capture_output=True,
+                         text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    body = result["body"]
+    assert not result["missing"], (result["missing"], sorted(set(re.findall(
+        r"^(ray_raytrain_guard_\w+)\{", body, re.MULTILINE))))
+    # per-rank metrics carry Ray Train's labels; node metrics the node and the GPU
+    step = [line for line in body.splitlines()
+            if line.startswith("ray_raytrain_guard_rank_step_seconds{")]
+    assert any(f'ray_train_run_name="{RUN_NAME}"' in line
+               and 'ray_train_worker_world_rank="1"' in line for line in step), step
+    gpu = [line for line in body.splitlines()
+           if line.startswith("ray_raytrain_guard_gpu_memory_frac{")]
+    assert any('gpu="0"' in line and "node_id=" in line for line in gpu), gpu
+    throttled = [line for line in body.splitlines()
+                 if line.startswith("ray_raytrain_guard_gpu_throttled{")
+                 and 'reason="power"' in line]
+    assert throttled and throttled[0].rsplit(" ", 1)[1] in ("1", "1.0"), throttled
+    excess = [line for line in body.splitlines()
+              if line.startswith("ray_raytrain_guard_straggler_excess_frac{")]
+    assert any(f'ray_train_run_name="{RUN_NAME}"' in line for line in excess), excess
+
+
+if __name__ == "__main__":
+    print(json.dumps(_drive(int(sys.argv[1]), int(sys.argv[2]))))

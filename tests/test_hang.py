@@ -4,23 +4,22 @@ look at the watched thread, and the bounded send from a dying rank."""
 
 from __future__ import annotations
 
-import io
 import json
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
-from raytrain_guard.cluster.client import ClusterDecisionSource, send_hang_record
-from raytrain_guard.cluster.coordinator import Coordinator
-from raytrain_guard.cluster.launcher import summarize
+from raytrain_guard.cluster.coordinator.coordinator import Coordinator
 from raytrain_guard.cluster.status import format_status
+from raytrain_guard.cluster.summary import summarize
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.coordination.client import ClusterDecisionSource, send_hang_record
 from raytrain_guard.core.hang import SETTLE_S, HangRecord, name_hung_rank
 from raytrain_guard.core.steps import StepStats
-from raytrain_guard.runtime.loop.rehearsal import RehearsalMixin
-from raytrain_guard.runtime.watchdog import thread_position
+from raytrain_guard.runtime.guard.watchdog import thread_position
+from raytrain_guard.runtime.loop.hang import HangExit
+from raytrain_guard.runtime.loop.recorder import RunRecorder
 
 WALL = 1_700_000_000.0      # the step began here on every rank
 
@@ -238,13 +237,14 @@ def test_a_dead_or_slow_coordinator_holds_the_rank_at_most_the_timeout():
     assert ClusterDecisionSource("run1", "ns").report_hang({"step": 1}) is None
 
 
-class _Loop(RehearsalMixin):
-    def __init__(self, source, act=False):
-        self.config = SimpleNamespace(act=act, decision_source=source)
-        self._trace, self.attempt, self.rank = io.StringIO(), "a1", 1
+def _traced(tmp_path, source):
+    """The loop's hang handler (observing: it does not end the process) and its trace."""
+    recorder = RunRecorder(trace_dir=str(tmp_path), audit_dir=None, world_rank=1)
+    recorder.open()
+    return HangExit(recorder, source=source, act=False), tmp_path / "rank1.jsonl"
 
 
-def test_the_loops_hang_handler_sends_the_record_and_traces_the_verdict():
+def test_the_loops_hang_handler_sends_the_record_and_traces_the_verdict(tmp_path):
     sent = []
 
     class Source:
@@ -252,20 +252,20 @@ def test_the_loops_hang_handler_sends_the_record_and_traces_the_verdict():
             sent.append(record)
             return {"attempt": 1, "world_rank": 1, "reason": "rank 1 is the hung rank"}
 
-    loop = _Loop(Source())
+    on_hang, trace = _traced(tmp_path / "a", Source())
     record = {"world_rank": 1, "step": 40, "phase": "forward", "reason": "rank 1 ... hang"}
-    loop._on_hang(record)
+    on_hang(record)
     assert sent == [record]
-    kinds = [json.loads(line)["t"] for line in loop._trace.getvalue().splitlines()]
+    kinds = [json.loads(line)["t"] for line in trace.read_text().splitlines()]
     assert kinds == ["hang", "hang_verdict"]
 
     class Broken:
         def report_hang(self, record):
             raise RuntimeError("no coordinator")
 
-    loop = _Loop(Broken())
-    loop._on_hang(record)                   # fail open: written down all the same
-    assert [json.loads(x)["t"] for x in loop._trace.getvalue().splitlines()] == ["hang"]
+    on_hang, trace = _traced(tmp_path / "b", Broken())
+    on_hang(record)                         # fail open: written down all the same
+    assert [json.loads(x)["t"] for x in trace.read_text().splitlines()] == ["hang"]
 
 
 def test_the_experiments_analysis_names_the_hung_rank_by_the_coordinators_rule():

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_guard.cluster.launcher import (
-    PlanDoesNotFit,
-    RunSummary,
-    check_plan,
-    merge_applied,
-    progress_line,
-    summarize,
-)
+from raytrain_guard.cluster.planning import PlanDoesNotFit, check_plan
+from raytrain_guard.cluster.progress import progress_line
+from raytrain_guard.cluster.summary import RunSummary, merge_applied, summarize
 
 NODE = "9e7532"
 

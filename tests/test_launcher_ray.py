@@ -26,13 +26,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-import examples.toy as toy   # noqa: E402
-
-from raytrain_guard.cluster.actors import COORDINATOR_PREFIX, MONITOR_PREFIX   # noqa: E402
-from raytrain_guard.cluster.client import coordinator_name   # noqa: E402
-from raytrain_guard.cluster.demo import rehearsal_probes   # noqa: E402
-from raytrain_guard.cluster.launcher import PlanDoesNotFit, launch   # noqa: E402
-from raytrain_guard.config import GuardConfig   # noqa: E402
+import examples.toy as toy  # noqa: E402
+from raytrain_guard.cluster.actors import COORDINATOR_PREFIX, MONITOR_PREFIX  # noqa: E402
+from raytrain_guard.cluster.launcher import launch  # noqa: E402
+from raytrain_guard.cluster.planning import PlanDoesNotFit  # noqa: E402
+from raytrain_guard.config import GuardConfig  # noqa: E402
+from raytrain_guard.coordination.client import coordinator_name  # noqa: E402
+from raytrain_guard.runtime.loop.config import REHEARSAL
 
 pytestmark = pytest.mark.ray
 NS = "rtg_test_launcher"
@@ -48,7 +48,18 @@ def _config() -> dict:
             "checkpoint_every_steps": 10_000,
             # a GuardConfig as the loop's guard: the one config of the run, coordinator too
             "guard": GuardConfig(memory_watermark_frac=0.86),
+            "rehearsal": REHEARSAL,
             "faults": {"delay": [{"seconds": 0.04, "phase": "forward", "ranks": [1]}]}}
+
+
+def _node_under_pressure():
+    """Every node's GPU probe reads one 80 GiB GPU at 89 % of its memory, holding the node's
+    registered train workers."""
+    from raytrain_guard.cluster.monitor.probes import ScriptedProbeFactory
+    from raytrain_guard.core.node_samples import GpuSample
+    from raytrain_guard.units import GiB
+    total = 80 * GiB
+    return ScriptedProbeFactory([[GpuSample(0, int(0.89 * total), total)]], worker_gpus=(0,))
 
 
 RAY_NAMESPACE = NS     # the ray_instance fixture (conftest.py) joins it
@@ -102,7 +113,7 @@ def guarded_run(ray_instance, tmp_path_factory):
         t.start()
     summary = launch(_config(), num_workers=2, run_id=run_id, namespace=NS,
                      storage_path=str(tmp_path_factory.mktemp("storage")),
-                     probe_factory=rehearsal_probes())
+                     probe_factory=_node_under_pressure())
     for t in threads:
         t.join(timeout=120)
     return summary, seen

@@ -16,9 +16,9 @@ from torch.utils.data import DistributedSampler
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError, PlanInputError
-from raytrain_guard.runtime.batches import batch_nbytes
-from raytrain_guard.runtime.loader import GuardedDataLoader
-from raytrain_guard.runtime.sampler import ResumableDistributedSampler
+from raytrain_guard.planner.batches import batch_nbytes
+from raytrain_guard.runtime.data.loader import GuardedDataLoader
+from raytrain_guard.runtime.data.sampler import ResumableDistributedSampler
 
 MiB = 1024**2
 
@@ -240,7 +240,7 @@ def test_state_saved_after_the_last_batch_resumes_at_the_next_epoch(loaders):
     (64, 4, 16, 2, (16, 4)),             # the machine is the tighter one
 ])
 def test_host_memory_is_narrowed_to_the_cgroup(total, available, limit, usage, expected):
-    from raytrain_guard.host_memory import within_cgroup
+    from raytrain_guard.runtime.host_memory import within_cgroup
 
     assert within_cgroup(total, available, limit, usage) == expected
 
@@ -525,9 +525,9 @@ def test_background_stage_counts_delivered_batches_not_fetched_ones(loaders):
     first = next(it).tolist()
     stage = loader._pipeline.stage
     deadline = time.monotonic() + 10
-    while stage.num_ready < 3 and time.monotonic() < deadline:    # the thread fills its depth
+    while len(stage._ready) < 3 and time.monotonic() < deadline:  # the thread fills its depth
         time.sleep(0.01)
-    assert stage.num_ready == 3                      # 3 batches fetched ahead, not delivered
+    assert len(stage._ready) == 3                    # 3 batches fetched ahead, not delivered
     state = loader.state_dict()
     assert state["samples_consumed"] == 4 and state["batches_consumed"] == 1
     resumed = loaders(IndexDataset(40), 4, num_workers=0, seed=1)
@@ -539,7 +539,7 @@ def test_background_stage_counts_delivered_batches_not_fetched_ones(loaders):
 
 
 def test_threaded_prefetcher_keeps_order_ends_and_forwards_errors():
-    from raytrain_guard.runtime.device_prefetch import ThreadedPrefetcher
+    from raytrain_guard.runtime.data.device_prefetch import ThreadedPrefetcher
 
     stage = ThreadedPrefetcher(iter(range(5)), depth=2)
     assert list(stage) == [0, 1, 2, 3, 4]

@@ -6,8 +6,8 @@ import socket
 
 import torch.distributed as dist
 
-from raytrain_guard.runtime.context import WorkerContext, current_context
-from raytrain_guard.runtime.loader import GuardedDataLoader
+from raytrain_guard.coordination.context import WorkerContext, current_context
+from raytrain_guard.runtime.data.loader import GuardedDataLoader
 
 
 def test_single_process_is_rank_0_of_1():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_guard.runtime.loader import GuardedDataLoader
+from raytrain_guard.runtime.data.loader import GuardedDataLoader
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -21,8 +21,8 @@ def test_two_train_workers_shard_the_dataset_exactly_once(ray_instance, tmp_path
     def train_loop(config):
         import torch
 
-        from raytrain_guard.runtime.context import current_context
-        from raytrain_guard.runtime.loader import GuardedDataLoader
+        from raytrain_guard.coordination.context import current_context
+        from raytrain_guard.runtime.data.loader import GuardedDataLoader
 
         dataset = torch.arange(30)        # a tensor is a map-style dataset of scalars
         loader = GuardedDataLoader(dataset, 4, seed=3, num_workers=2,

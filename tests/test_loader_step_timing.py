@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.runtime.loader import GuardedDataLoader
-from raytrain_guard.runtime.probes import FaultInjector
-from raytrain_guard.runtime.step_guard import StepGuard
-from raytrain_guard.runtime.timing import StepTimer
+from raytrain_guard.experiment.rehearsal import FaultInjector
+from raytrain_guard.runtime.data.loader import GuardedDataLoader
+from raytrain_guard.runtime.guard.step_guard import StepGuard
+from raytrain_guard.runtime.guard.timing import StepTimer
 
 
 class Clock:

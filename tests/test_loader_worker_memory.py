@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.runtime.loader import GuardedDataLoader
-from raytrain_guard.runtime.worker_memory import GrowthDetector, WorkerMemoryWatcher
+from raytrain_guard.runtime.data.loader import GuardedDataLoader
+from raytrain_guard.runtime.data.worker_memory import GrowthDetector, WorkerMemoryWatcher
 
 MiB = 1024**2
 
@@ -92,12 +92,11 @@ def test_copy_on_read_warning_fires_only_for_python_object_storage(dataset_cls, 
     loader = GuardedDataLoader(dataset_cls(), 4, world_rank=0, world_size=1, num_workers=2,
                                config=FAST, seed=0)
     try:
-        with caplog.at_level(logging.WARNING, logger="raytrain_guard.runtime.worker_memory"):
+        with caplog.at_level(logging.WARNING, logger="raytrain_guard.runtime.data.worker_memory"):
             for _ in range(2):
                 for _batch in loader:
                     pass
-        watcher = loader.worker_memory_watcher
-        assert watcher.num_samples_taken >= FAST.worker_memory_growth_samples
+        assert loader._watcher.num_samples_taken >= FAST.worker_memory_growth_samples
         assert loader.stats()["copy_on_read_warned"] is warns
         messages = [r.message for r in caplog.records if "copy-on-read" in r.message]
         assert len(messages) == (1 if warns else 0)          # once, not every sample

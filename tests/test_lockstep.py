@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_guard.cluster.lockstep import (
-    NO_DECISION, Lockstep, SingleRankExchange, apply_step, is_agreement_step, merge_decisions,
-    newest_pending_id, schedule)
+from raytrain_guard.coordination.lockstep import (
+    NO_DECISION,
+    Lockstep,
+    SingleRankExchange,
+    apply_step,
+    is_agreement_step,
+    merge_decisions,
+    newest_pending_id,
+    schedule,
+)
 from raytrain_guard.core.decisions import Action, Decision
 from raytrain_guard.errors import InputError
 

@@ -55,7 +55,7 @@ def _rank_main(rank: int, seed: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_guard.cluster.lockstep import Lockstep, ProcessGroupExchange
+    from raytrain_guard.coordination.lockstep import Lockstep, ProcessGroupExchange
     from raytrain_guard.core.decisions import Action, Decision
 
     fetch = _fetch_steps(seed)
@@ -126,9 +126,9 @@ def _nccl_main(rank: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from raytrain_guard.cluster.client import agree_on_attempt
-    from raytrain_guard.cluster.lockstep import ProcessGroupExchange
-    from raytrain_guard.runtime.control_plane import shared_control_plane
+    from raytrain_guard.coordination.client import agree_on_start
+    from raytrain_guard.coordination.control_plane import shared_control_plane
+    from raytrain_guard.coordination.lockstep import ProcessGroupExchange
 
     before = torch.full((1,), float(rank + 1), device="cuda")
     dist.all_reduce(before)                          # nccl: 1 + 2
@@ -136,7 +136,7 @@ def _nccl_main(rank: int, out_dir: str) -> None:
     nothing = ex.exchange(-1, [])
     mine = [{"action": "release_cache", "reason": "r", "decision_id": 5}] if rank == 1 else []
     one = ex.exchange(5 if rank == 1 else -1, mine)  # only rank 1 heard of decision 5
-    attempt = agree_on_attempt(1234 if rank == 0 else 0)   # rank 0 brings the number
+    attempt, _ = agree_on_start(1234 if rank == 0 else 0, True)   # rank 0 brings the number
     after = torch.full((1,), 10.0 * (rank + 1), device="cuda")
     dist.all_reduce(after)                           # nccl again: 10 + 20
     torch.cuda.synchronize()
@@ -181,12 +181,15 @@ def _loop_main(rank: int, out_dir: str) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import examples.toy as toy
-    from raytrain_guard.cluster.client import LockstepDecisionSource
-    from raytrain_guard.cluster.lockstep import Lockstep, ProcessGroupExchange
+    from raytrain_guard.coordination.client import LockstepDecisionSource
+    from raytrain_guard.coordination.context import WorkerContext
+    from raytrain_guard.coordination.lockstep import Lockstep, ProcessGroupExchange
     from raytrain_guard.core.decisions import Action, Decision
-    from raytrain_guard.runtime.context import WorkerContext
-    from raytrain_guard.runtime.train_loop import (DirectoryReporter, GuardedTrainLoop,
-                                                   LoopConfig)
+    from raytrain_guard.runtime.loop.train_loop import (
+        DirectoryReporter,
+        GuardedTrainLoop,
+        LoopConfig,
+    )
 
     class OneRankHears(LockstepDecisionSource):
         def poll(self, step, stats=None):
@@ -247,14 +250,14 @@ def test_loop_runs_one_control_round_per_k_steps(tmp_path):
     # run restores (the gate's own "pacing" flag alone did not)
     import torch
 
-    from raytrain_guard.runtime.checkpoint import META_FILE
+    from raytrain_guard.runtime.dist.checkpoint import META_FILE
     saved = torch.load(tmp_path / "ckpt" / f"checkpoint_{LOOP_STEPS}" / META_FILE,
                        weights_only=True)
     assert [g["pace_delay_s"] for g in saved["guard"]] == [0.001, 0.001]
 
 
 def _side_group_main(rank: int, out_dir: str) -> None:
-    from raytrain_guard.runtime.control_plane import shared_control_plane
+    from raytrain_guard.coordination.control_plane import shared_control_plane
 
     plane = shared_control_plane()
     buffer = plane._buffer

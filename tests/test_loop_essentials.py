@@ -11,12 +11,10 @@ import torch
 
 from examples import toy
 from raytrain_guard.errors import InputError
-from raytrain_guard.runtime.train_loop import (
-    DirectoryReporter,
-    GuardedTrainLoop,
-    LoopConfig,
-    relayout,
-)
+from raytrain_guard.runtime.loop.config import REHEARSAL
+from raytrain_guard.runtime.loop.layout import relayout
+from raytrain_guard.runtime.loop.rehearsal import Rehearsal
+from raytrain_guard.runtime.loop.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
 
 BASE = {"model_factory": toy.make_model, "optimizer_factory": toy.make_optimizer,
         "loss_fn": toy.loss_fn, "num_workers": 0, "seed": 2, "measure_bandwidth": False,
@@ -53,11 +51,11 @@ def test_an_epoch_ends_with_a_shorter_step_and_trains_every_sample(tmp_path):
 def test_the_short_steps_weights_are_the_samples_shares(tmp_path):
     loop = _loop(tmp_path, micro_batch=4, grad_accum=3)
     loop._build()
-    batches = iter(loop.loader)
-    assert loop._step_weights(batches) == [1 / 3] * 3
+    batches = iter(loop.layout.loader)
+    assert loop.layout.step_weights(batches) == [1 / 3] * 3
     for _ in range(3):
         next(batches)
-    assert loop._step_weights(batches) == pytest.approx([4 / 6, 2 / 6])
+    assert loop.layout.step_weights(batches) == pytest.approx([4 / 6, 2 / 6])
 
 
 def test_dropping_the_epoch_tail_skips_the_leftover_micro_batches(tmp_path):
@@ -71,10 +69,10 @@ def test_the_scheduler_steps_per_optimizer_step_and_is_checkpointed(tmp_path):
     loop = _loop(tmp_path, micro_batch=6, epochs=2, checkpoint_every_steps=2,
                  scheduler_factory=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
     loop.run()                                              # 3 steps an epoch: 6 steps
-    assert loop.optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5 ** 6)
+    assert loop.model.optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5 ** 6)
     reports = loop.reporter.reports
     assert [r["lr"] for r in reports] == pytest.approx([0.02 * 0.5 ** s for s in (2, 4, 6)])
-    from raytrain_guard.runtime.checkpoint import META_FILE
+    from raytrain_guard.runtime.dist.checkpoint import META_FILE
     meta = torch.load(tmp_path / "checkpoint_4" / META_FILE, weights_only=True)
     assert meta["extra"]["scheduler"]["last_epoch"] == 4
 
@@ -104,7 +102,7 @@ def test_a_checkpoint_copy_cut_short_leaves_no_checkpoint(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("tear", ["no meta", "short shard"])
 def test_resume_skips_a_torn_checkpoint_for_the_newest_complete_one(tmp_path, caplog, tear):
-    from raytrain_guard.runtime.checkpoint import META_FILE
+    from raytrain_guard.runtime.dist.checkpoint import META_FILE
 
     _loop(tmp_path, micro_batch=6, epochs=2, checkpoint_every_steps=2).run()    # 2, 4, 6
     newest = tmp_path / "checkpoint_6"
@@ -129,9 +127,9 @@ def test_clipping_bounds_the_update(tmp_path):
     clipped.run()
     free.run()
     moved = sum((p - start[k]).abs().sum().item()
-                for k, p in clipped.planned.module.state_dict().items())
+                for k, p in clipped.model.planned.module.state_dict().items())
     moved_free = sum((p - start[k]).abs().sum().item()
-                     for k, p in free.planned.module.state_dict().items())
+                     for k, p in free.model.planned.module.state_dict().items())
     assert moved < 1e-4 < moved_free
     assert clipped.reporter.reports[-1]["grad_norm"] > 1e-6     # the norm before clipping
 
@@ -153,6 +151,9 @@ def test_amp_bf16_runs_the_forward_under_autocast(tmp_path):
     ({"max_grad_norm": 0}, "max_grad_norm: must be > 0"),
     ({"epoch_tail": "spill"}, "epoch_tail: unknown"),
     ({"fsdp_grad_sync": "sometimes"}, "fsdp_grad_sync: unknown"),
+    ({"faults": {"delay": [{"seconds": 0.1}]}},
+     "faults: are applied by a rehearsal, and none is set .* set rehearsal='raytrain_guard"),
+    ({"rehearsal": "no_such_module:f"}, "rehearsal: cannot import module"),
 ])
 def test_bad_essentials_name_the_key(changes, match):
     with pytest.raises(InputError, match=match):
@@ -168,7 +169,7 @@ def test_relayout_keeps_the_global_batch(global_batch, world, micro, layout):
 
 
 def test_a_resume_that_cannot_keep_the_global_batch_is_refused_unless_allowed(tmp_path):
-    from raytrain_guard.runtime.context import WorkerContext
+    from raytrain_guard.coordination.context import WorkerContext
 
     def loop(**changes):
         cfg = LoopConfig.from_dict({**BASE, "dataset_factory": toy.make_dataset,
@@ -176,24 +177,24 @@ def test_a_resume_that_cannot_keep_the_global_batch_is_refused_unless_allowed(tm
         made = GuardedTrainLoop(cfg, context=WorkerContext(world_rank=0, world_size=3),
                                 reporter=DirectoryReporter(str(tmp_path)))
         made._build()
-        return made
+        return made.layout
 
     keeps = loop()
-    keeps._resume_on_other_world(4, 3, 2)                  # 24 on 3 ranks: 4 x 2
+    keeps.resume_on_other_world(4, 3, 2)                   # 24 on 3 ranks: 4 x 2
     assert (keeps.micro_batch, keeps.grad_accum) == (4, 2)
     with pytest.raises(InputError, match="global batch 16 .* is no multiple of 3"):
-        loop()._resume_on_other_world(4, 2, 2)
+        loop().resume_on_other_world(4, 2, 2)
     changed = loop(allow_global_batch_change=True)
-    changed._resume_on_other_world(4, 2, 2)                 # 16 / 3 ranks: 4 x 1 = 12
-    assert changed.batch_changes[-1]["global_batch"] == 12
-    assert "changes the global batch from 16 to 12" in changed.batch_changes[-1]["reason"]
+    changed.resume_on_other_world(4, 2, 2)                  # 16 / 3 ranks: 4 x 1 = 12
+    assert changed.changes[-1]["global_batch"] == 12
+    assert "changes the global batch from 16 to 12" in changed.changes[-1]["reason"]
 
 
 def test_resizes_back_and_forth_do_not_ratchet_the_micro_batch_down(tmp_path):
     """Global batch 24, config micro-batch 8: on 2 ranks 6 x 2 (8 does not divide 12), on 3
     ranks 8 x 1 again (from the config's 8, not the checkpoint's 6), unless a shrink chose a
     smaller one for memory."""
-    from raytrain_guard.runtime.context import WorkerContext
+    from raytrain_guard.coordination.context import WorkerContext
 
     def on(world, changes=()):
         cfg = LoopConfig.from_dict({**BASE, "dataset_factory": toy.make_dataset,
@@ -201,17 +202,17 @@ def test_resizes_back_and_forth_do_not_ratchet_the_micro_batch_down(tmp_path):
         made = GuardedTrainLoop(cfg, context=WorkerContext(world_rank=0, world_size=world),
                                 reporter=DirectoryReporter(str(tmp_path)))
         made._build()
-        made.batch_changes = [dict(c) for c in changes]
-        return made
+        made.layout.changes = [dict(c) for c in changes]
+        return made.layout
 
     two = on(2)
-    two._resume_on_other_world(8, 1, 3)                    # 24: from 3 ranks to 2
+    two.resume_on_other_world(8, 1, 3)                     # 24: from 3 ranks to 2
     assert (two.micro_batch, two.grad_accum) == (6, 2)
-    three = on(3, two.batch_changes)
-    three._resume_on_other_world(6, 2, 2)                  # and back to 3
+    three = on(3, two.changes)
+    three.resume_on_other_world(6, 2, 2)                   # and back to 3
     assert (three.micro_batch, three.grad_accum) == (8, 1)
     shrunk = on(3, [{"decision_id": 7, "applied": True, "micro_batch": 4, "grad_accum": 2}])
-    shrunk._resume_on_other_world(4, 3, 2)                 # a shrink to 4 holds
+    shrunk.resume_on_other_world(4, 3, 2)                  # a shrink to 4 holds
     assert (shrunk.micro_batch, shrunk.grad_accum) == (4, 2)
 
 
@@ -231,14 +232,15 @@ def test_the_loop_runs_the_fsdp_grad_sync_its_plan_chose_unless_told():
 
 
 def test_a_global_batch_is_laid_out_on_the_world_the_run_starts_with():
-    from raytrain_guard.runtime.context import WorkerContext
+    from raytrain_guard.coordination.context import WorkerContext
 
     def first(world, **changes):
         config = LoopConfig.from_dict({**BASE, "dataset_factory": toy.make_dataset,
                                        "micro_batch": 4, **changes})
         loop = GuardedTrainLoop(config, reporter=DirectoryReporter("/tmp"),
                                 context=WorkerContext(world_rank=0, world_size=world))
-        return loop.micro_batch, loop.grad_accum
+        loop._build()
+        return loop.layout.micro_batch, loop.layout.grad_accum
 
     assert first(1) == (4, 1)                                # no global batch: as configured
     assert first(1, global_batch=24) == (4, 6)
@@ -276,3 +278,55 @@ def test_an_elastic_run_is_planned_in_the_layout_it_takes_on_its_fewest_workers(
     assert layout_on(config, 2) == config
     plain = {"micro_batch": 8, "grad_accum": 3}
     assert layout_on(plain, 1) is plain
+
+
+class CountingRehearsal(Rehearsal):
+    """A rehearsal of one's own: counts the loop's calls of each hook."""
+
+    def __init__(self, config, *, world_rank, device):
+        self.calls: dict[str, int] = {}
+        CountingRehearsal.made = self
+
+    def _count(self, hook):
+        self.calls[hook] = self.calls.get(hook, 0) + 1
+
+    def wrap_dataset(self, dataset):
+        self._count("wrap_dataset")
+        return dataset
+
+    def attach(self, model):
+        self._count("attach")
+
+    def measure(self, module, optimizer):
+        self._count("measure")
+
+    def begin_step(self, step, probe):
+        self._count("begin_step")
+
+    def transform(self, batch):
+        self._count("transform")
+        return batch
+
+    def after_backward(self, elapsed_s):
+        self._count("after_backward")
+
+    def close(self):
+        self._count("close")
+
+
+def test_the_rehearsal_seam_calls_each_hook_where_it_belongs(tmp_path):
+    # 3 steps of 2 micro-batches: a step's hook 3 times, a micro-batch's 6, the run's once
+    _loop(tmp_path, micro_batch=3, grad_accum=2, max_steps=3, rehearsal=CountingRehearsal).run()
+    assert CountingRehearsal.made.calls == {
+        "wrap_dataset": 1, "attach": 1, "measure": 1, "begin_step": 3, "transform": 6,
+        "after_backward": 6, "close": 1}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the size caps the real card")
+def test_a_card_size_on_a_cpu_asks_for_the_rehearsal_that_simulates_it(tmp_path):
+    with pytest.raises(InputError, match="device_memory_bytes: caps a CUDA card; on a CPU a "
+                                         "rehearsal simulates the card"):
+        _loop(tmp_path, micro_batch=6, device_memory_bytes=1 << 30)._build()
+    loop = _loop(tmp_path, micro_batch=6, device_memory_bytes=1 << 30, rehearsal=REHEARSAL)
+    loop._build()
+    assert loop.rehearsal.card.capacity_bytes == 1 << 30

@@ -5,7 +5,7 @@ The model used throughout (``M``): 1000 parameters, all trainable, registered as
 Activations (``A``): a given profile of 5000 bytes per sample at micro-batch 2 -> 10000 bytes.
 Reserve off (no CUDA context, no fragmentation) unless a test says otherwise.
 
-Phases (see raytrain_guard.core.memory_model):
+Phases (see raytrain_guard.planner.memory_model):
   backward      = P + buffers + O + G_bw + A + comm_bw
   optimizer     = P + buffers + O + G + T + comm_opt
   rebuild       = P + buffers + O + 2 * buckets          (DDP/zero1 with more than one rank)
@@ -28,7 +28,8 @@ from __future__ import annotations
 import pytest
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.memory_model import (
+from raytrain_guard.errors import PlanInputError
+from raytrain_guard.planner.memory_model import (
     GradSync,
     MemoryEstimate,
     OptimizerKind,
@@ -40,8 +41,7 @@ from raytrain_guard.core.memory_model import (
     estimate,
     zero1_rank_numel,
 )
-from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
-from raytrain_guard.errors import PlanInputError
+from raytrain_guard.planner.model_stats import ActivationProfile, ModelStats
 
 M = ModelStats(num_params=1000, num_trainable_params=1000, largest_unit_params=400,
                param_numels=(400, 300, 200, 100))

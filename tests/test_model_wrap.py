@@ -15,10 +15,10 @@ import torch.distributed as dist
 from gloo_world import one_rank, spawn
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.buckets import recommend_bucket_cap
-from raytrain_guard.core.memory_model import Strategy
 from raytrain_guard.errors import InputError
-from raytrain_guard.runtime.model import KIND_LOCAL, parse_strategy, wrap_model
+from raytrain_guard.planner.buckets import recommend_bucket_cap
+from raytrain_guard.planner.memory_model import Strategy
+from raytrain_guard.runtime.dist.model import KIND_LOCAL, parse_strategy, wrap_model
 
 WORLD = 2
 LAYER = 256
@@ -101,9 +101,8 @@ def _full_params(planned) -> list[list[float]]:
 
 
 def _worker(rank: int, out_dir: str) -> None:
-    from raytrain_guard.runtime.checkpoint import (gather_train_state, read_train_state,
-                                                   restore_train_state, write_train_state)
-    from raytrain_guard.runtime.model import wrap_optimizer
+    from raytrain_guard.runtime.dist.checkpoint import load_sharded, save_sharded
+    from raytrain_guard.runtime.dist.model import wrap_optimizer
     out: dict = {}
 
     # 1. The planner's cap, applied: DDP builds the buckets the plan predicted.
@@ -143,11 +142,9 @@ def _worker(rank: int, out_dir: str) -> None:
 
         # 4. Checkpoint round trip: save after 3 steps, train 2 more (reference); restore into
         #    a fresh wrap, train the same 2 steps: same parameters.
-        state = gather_train_state(planned, optimizer, step=3, loader_state={"epoch": 0},
-                                   guard_state={"rank": rank})
         ckpt_dir = os.path.join(out_dir, f"ckpt-{strategy}")
-        if rank == 0:
-            write_train_state(ckpt_dir, state)
+        save_sharded(ckpt_dir, planned, optimizer, step=3, loader_state={"epoch": 0},
+                     guard_state={"rank": rank})
         dist.barrier()
         drawn_after_save = torch.rand(1).item()   # the RNG state saved must come back
         _train(planned, optimizer, rank, steps=2, grad_accum=1)
@@ -156,8 +153,8 @@ def _worker(rank: int, out_dir: str) -> None:
         fresh = wrap_model(_mlp(), strategy=strategy, use_ray=False)
         fresh_opt = wrap_optimizer(fresh, torch.optim.SGD(fresh.module.parameters(), lr=0.1,
                                                           momentum=0.9))
-        loaded = read_train_state(ckpt_dir)
-        restore_train_state(fresh, fresh_opt, loaded, world_rank=rank)
+        torch.manual_seed(1000 + rank)            # another state: the checkpoint's comes back
+        loaded = load_sharded(ckpt_dir, fresh, fresh_opt, world_rank=rank)
         out[strategy]["rng_restored"] = torch.rand(1).item() == drawn_after_save
         _train(fresh, fresh_opt, rank, steps=2, grad_accum=1)
         out[strategy]["resumed_equal"] = _close(_full_params(fresh), reference)
@@ -315,10 +312,11 @@ def test_bucket_layout_fails_open_on_changed_ddp_logging_data(tmp_path, monkeypa
                                                              answer):
     """DDP's private logging data answering in another shape: the layout holds the cap only,
     warned once, and the end of the run goes on."""
-    from raytrain_guard.runtime import model as model_module
-    from raytrain_guard.runtime.model import KIND_DDP, PlannedModel
+    from raytrain_guard import log
+    from raytrain_guard.runtime.dist import model as model_module
+    from raytrain_guard.runtime.dist.model import KIND_DDP, PlannedModel
 
-    monkeypatch.setattr(model_module, "_warned", set())
+    monkeypatch.setattr(log, "_SAID", set())
     layouts = []
 
     def body():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_guard.core.placement import NodeResources, place_workers
 from raytrain_guard.errors import PlanInputError
+from raytrain_guard.planner.placement import NodeResources, place_workers
 
 GiB = 2**30
 BIG = NodeResources("big-node", num_cpus=8, num_gpus=4, memory_bytes=64 * GiB)

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster
 
 from examples import toy
-from raytrain_guard.cluster.launcher import cluster_nodes, plan_machine, plan_run
+from raytrain_guard.cluster.planning import cluster_nodes, plan_machine, traced_plan
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 MiB = 2**20
@@ -51,15 +51,13 @@ def test_plan_is_for_the_tightest_node_the_workers_use(two_nodes):
               "dataset_factory": functools.partial(toy.make_dataset, 64),
               "optimizer_factory": toy.make_optimizer, "loss_fn": toy.loss_fn,
               "micro_batch": 8, "epochs": 1, "num_workers": 0}
-    plan = plan_run(config, num_workers=4)
+    plan, _ = traced_plan(config, num_workers=4)
     # the CPU "device" is the tightest node's RAM per rank, not the driver's RAM / 4
     assert plan.device_memory_bytes == 512 * MiB
     assert any("4 workers packed over 2 of 2 nodes" in n for n in plan.notes)
 
 
 def test_traced_plan_carries_the_runs_precision_and_gradient_sync(two_nodes):
-    from raytrain_guard.cluster.launcher import traced_plan
-
     config = {"model_factory": toy.make_model,
               "dataset_factory": functools.partial(toy.make_dataset, 64),
               "optimizer_factory": toy.make_optimizer, "loss_fn": toy.loss_fn,

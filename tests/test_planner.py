@@ -7,11 +7,11 @@ import pytest
 
 from raytrain_guard import Plan, plan
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.buckets import recommend_bucket_cap
-from raytrain_guard.core.dataloader_sizing import size_dataloader
-from raytrain_guard.core.memory_model import TrainingSetup, estimate
-from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.errors import PlanInputError
+from raytrain_guard.planner.buckets import recommend_bucket_cap
+from raytrain_guard.planner.dataloader_sizing import size_dataloader
+from raytrain_guard.planner.memory_model import TrainingSetup, estimate
+from raytrain_guard.planner.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.units import GiB, MiB
 
 # A model whose memory is easy to add up by hand: 1 M fp32 parameters, SGD without momentum
@@ -259,8 +259,8 @@ def test_auto_micro_batch_respects_the_host_budget():
     ("zero1", 4, True), ("fsdp-grad-op", 4, True),
 ])
 def test_does_not_fit_advice_adds_ranks_only_where_they_shard(strategy, world, adds_ranks):
-    from raytrain_guard.core.memory_model import TrainingSetup
-    from raytrain_guard.core.planner import _fixes_for
+    from raytrain_guard.planner.memory_model import TrainingSetup
+    from raytrain_guard.planner.plan import _fixes_for
     fixes = _fixes_for(TrainingSetup(strategy=strategy, world_size=world))
     assert ("add ranks" in fixes) is adds_ranks, fixes
     assert "fsdp-full" in fixes

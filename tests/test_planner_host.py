@@ -5,9 +5,9 @@ import pytest
 
 from raytrain_guard import plan
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.host_account import checkpoint_shard, host_account
-from raytrain_guard.core.memory_model import TrainingSetup
-from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
+from raytrain_guard.planner.host_account import checkpoint_shard, host_account
+from raytrain_guard.planner.memory_model import TrainingSetup
+from raytrain_guard.planner.model_stats import ActivationProfile, ModelStats
 
 # 1 M trainable parameters in three tensors, AdamW (2 states), 4 ranks.
 MODEL = ModelStats(num_params=1_000_000, num_trainable_params=1_000_000,

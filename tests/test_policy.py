@@ -12,6 +12,7 @@ import pytest
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause
+from raytrain_guard.core.device_memory import run_gpus
 from raytrain_guard.core.node_samples import (
     GpuSample,
     HostSample,
@@ -19,19 +20,17 @@ from raytrain_guard.core.node_samples import (
     RunSetup,
     WorkerMemory,
 )
-from raytrain_guard.core.policy import (
-    ClusterView,
-    PolicyState,
-    RankView,
-    decide,
-    default_apply_step,
-    run_gpus,
-)
+from raytrain_guard.core.policy import decide, default_apply_step
 from raytrain_guard.core.steps import StepStats
-from raytrain_guard.core.straggler import score_ranks
+from raytrain_guard.core.straggler import score_summaries, summarize
+from raytrain_guard.core.view import ClusterView, PolicyState, RankView
 from raytrain_guard.units import GiB
 
 CFG = GuardConfig()
+
+
+def score_ranks(windows, **kw):
+    return score_summaries({r: summarize(w) for r, w in windows.items()}, **kw)
 
 
 def window(rank, *, data=0.05, compute=0.5, comm=0.45, mem=None, first=31, n=10, total=None):
@@ -411,7 +410,7 @@ def test_another_jobs_full_gpu_is_not_this_runs_pressure():
 
 
 def test_node_ids_are_short_in_messages_and_whole_in_params():
-    from raytrain_guard.core.policy import short_node_id
+    from raytrain_guard.core.view import short_node_id
     node_id = "f" * 56
     assert short_node_id(node_id) == "ffffffff..." and short_node_id("n1") == "n1"
     gpu = GpuSample(index=0, memory_used_bytes=95, memory_total_bytes=100)

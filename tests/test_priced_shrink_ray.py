@@ -37,10 +37,12 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from examples import toy
-from raytrain_guard.cluster.launcher import launch, traced_plan
+from raytrain_guard.cluster.launcher import launch
+from raytrain_guard.cluster.planning import traced_plan
 from raytrain_guard.core.effects import shrink_effect
 from raytrain_guard.core.node_samples import GpuSample
 from raytrain_guard.experiment import model as seq
+from raytrain_guard.runtime.loop.config import REHEARSAL
 
 pytestmark = pytest.mark.ray
 RAY_NAMESPACE = "rtg_test_priced_shrink"
@@ -85,7 +87,7 @@ def _step_peak_bytes(micro_batch: int) -> int:
     import torch
     from torch.utils.data import default_collate
 
-    from raytrain_guard.runtime.faults import SimulatedDevice
+    from raytrain_guard.experiment.card import SimulatedDevice
     torch.manual_seed(0)
     model = seq.make_model()
     sim = SimulatedDevice(1 << 40)
@@ -118,7 +120,8 @@ def ddp_run(ray_instance, tmp_path_factory):
               "micro_batch": MICRO_BATCH, "epochs": 2, "num_workers": 0,
               "measure_bandwidth": False, "checkpoint_every_steps": 10_000,
               "device_memory_bytes": card, "trace_dir": str(tmp / "trace"),
-              "audit_dir": str(tmp / "audit"), "faults": SLOW, "guard": GUARD}
+              "audit_dir": str(tmp / "audit"), "faults": SLOW, "rehearsal": REHEARSAL,
+              "guard": GUARD}
     summary = launch(config, num_workers=2, run_id="priced_ddp", namespace=RAY_NAMESPACE,
                      device_memory_bytes=card, force=True,
                      storage_path=str(tmp / "storage"),
@@ -194,7 +197,7 @@ FSDP_CARD = 256 * 1024
 
 @pytest.fixture(scope="module")
 def fsdp_run(ray_instance, tmp_path_factory):
-    from raytrain_guard.cluster.node_probes import ScriptedProbeFactory
+    from raytrain_guard.cluster.monitor.probes import ScriptedProbeFactory
     tmp = tmp_path_factory.mktemp("priced_fsdp")
     config = {"model_factory": toy.make_model,
               "dataset_factory": functools.partial(toy.make_dataset, NUM_SAMPLES),
@@ -205,7 +208,8 @@ def fsdp_run(ray_instance, tmp_path_factory):
               # a simulated card rehearses the GPU the scripted reading is of (a plain CPU
               # run's ranks report no GPU, and the policy leaves GPU readings out)
               "device_memory_bytes": FSDP_CARD,
-              "trace_dir": str(tmp / "trace"), "faults": SLOW, "guard": GUARD}
+              "trace_dir": str(tmp / "trace"), "faults": SLOW, "rehearsal": REHEARSAL,
+              "guard": GUARD}
     gpu = [[GpuSample(0, int(0.92 * FSDP_CARD), FSDP_CARD)]]      # NVML: 92 %, critical
     summary = launch(config, num_workers=2, run_id="priced_fsdp", namespace=RAY_NAMESPACE,
                      device_memory_bytes=FSDP_CARD, force=True,

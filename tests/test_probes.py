@@ -10,19 +10,16 @@ import json
 import logging
 
 import pytest
+from scripted_probes import FailingProbe, ScriptedProbe
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause
 from raytrain_guard.errors import InputError
-from raytrain_guard.runtime.cache_release import release_cache
-from raytrain_guard.runtime.probes import (
-    FaultInjector,
-    MemoryReading,
-    ProcessMemoryProbe,
-    ScriptedProbe,
-)
-from raytrain_guard.runtime.step_guard import StepGuard
-from raytrain_guard.runtime.timing import StepTimer
+from raytrain_guard.experiment.rehearsal import FaultInjector
+from raytrain_guard.runtime.guard.cache_release import release_cache
+from raytrain_guard.runtime.guard.probes import MemoryReading, ProcessMemoryProbe
+from raytrain_guard.runtime.guard.step_guard import StepGuard
+from raytrain_guard.runtime.guard.timing import StepTimer
 from raytrain_guard.units import MiB
 
 
@@ -84,7 +81,7 @@ def test_process_probe_reads_rss_against_budget():
 
 def test_cuda_probe_reads_allocator_counters():
     torch = pytest.importorskip("torch")
-    from raytrain_guard.runtime.probes import CudaMemoryProbe
+    from raytrain_guard.runtime.guard.probes import CudaMemoryProbe
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match="CUDA"):
             CudaMemoryProbe()
@@ -124,13 +121,8 @@ def test_fault_injector_delays_only_chosen_rank_step_and_phase():
         on0.delay(1.0, phase="compute")
 
 
-def test_ballast_and_failing_probe():
-    inj = FaultInjector()
-    inj.allocate_ballast(3 * MiB)
-    assert inj.ballast_bytes == 3 * MiB
-    inj.release_ballast()
-    assert inj.ballast_bytes == 0
-    probe = FaultInjector.failing_probe(ScriptedProbe([0.5]), fail_reads={1})
+def test_failing_probe():
+    probe = FailingProbe(ScriptedProbe([0.5]), fail_reads={1})
     assert probe.read().frac == 0.5
     with pytest.raises(RuntimeError, match="injected"):
         probe.read()
@@ -149,15 +141,16 @@ def test_ballast_over_a_cpu_budget_checkpoints_and_stops_once_and_releases_nothi
     seen = []
     guard = StepGuard(config, probe=ProcessMemoryProbe(config), clock=FakeClock(),
                       on_decision=seen.append)
-    inj = FaultInjector()
     assert run_steps(guard, range(3)) == {}
+    inj = FaultInjector()
     inj.allocate_ballast(int(0.25 * budget))
     assert run_steps(guard, [3, 4]) == {3: [Action.CHECKPOINT_AND_STOP]}
-    inj.release_ballast()
+    del inj                                             # the ballast goes with it
     assert run_steps(guard, [5]) == {}
+    inj = FaultInjector()
     inj.allocate_ballast(int(0.25 * budget))
     assert run_steps(guard, [6]) == {}
-    inj.release_ballast()
+    del inj
     assert [d.action for d in seen] == [Action.CHECKPOINT_AND_STOP]
     assert seen[0].cause is Cause.HOST_MEMORY and "rank 0 step 3" in seen[0].reason
     stats = guard.drain_stats()
@@ -195,14 +188,11 @@ def test_fill_to_reaches_the_fraction():
     probe = ProcessMemoryProbe(budget_bytes=int(rss / 0.5))
     inj = FaultInjector()
     added = inj.fill_to(probe, 0.8)
-    try:
-        assert added == inj.ballast_bytes > 0
-        assert 0.75 <= probe.read().frac <= 0.85
-        assert inj.fill_to(probe, 0.5) == 0            # already above: nothing more
-    finally:
-        inj.release_ballast()
+    assert added > 0 and 0.75 <= probe.read().frac <= 0.85
+    assert inj.fill_to(probe, 0.5) == 0                # already above: nothing more
     with pytest.raises(InputError, match="frac"):
         inj.fill_to(probe, 0)
+    del inj                                             # the ballast goes with it
 
 
 def test_pacing_sleeps_before_steps_only_when_enabled():
@@ -218,9 +208,9 @@ def test_pacing_sleeps_before_steps_only_when_enabled():
 
 
 def test_fails_open_when_probe_or_gate_raise(caplog):
-    probe = FaultInjector.failing_probe(ScriptedProbe([0.5, 0.95]), fail_reads={0, 1})
+    probe = FailingProbe(ScriptedProbe([0.5, 0.95]), fail_reads={0, 1})
     guard = StepGuard(GuardConfig(), probe=probe, clock=FakeClock())
-    with caplog.at_level(logging.WARNING, logger="raytrain_guard.runtime.step_guard"):
+    with caplog.at_level(logging.WARNING, logger="raytrain_guard.runtime.guard.step_guard"):
         got = run_steps(guard, range(4))
     # Reads 0 and 1 raise (logged once, the inner probe is not read); read 2 gives the
     # script's 0.5, read 3 its 0.95 -> release and stop.

@@ -24,7 +24,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from examples import toy  # noqa: E402
-from raytrain_guard.runtime.train_loop import train_loop_per_worker  # noqa: E402
+from raytrain_guard.runtime.loop.train_loop import train_loop_per_worker  # noqa: E402
 
 pytestmark = pytest.mark.ray
 BASE = dict(model_factory=toy.make_model, dataset_factory=functools.partial(toy.make_dataset, 48),

@@ -16,18 +16,23 @@ import json
 from pathlib import Path
 
 import pytest
+from scripted_source import ScriptedDecisionSource  # noqa: E402
 
-from raytrain_guard.cluster.client import (CoordinatorClient, LockstepDecisionSource,  # noqa: E402
-                                           ScriptedDecisionSource)
-from raytrain_guard.cluster.lockstep import Lockstep   # noqa: E402
-from raytrain_guard.core.decisions import Action, Cause, Decision   # noqa: E402
-from raytrain_guard.core.steps import StepStats   # noqa: E402
-from raytrain_guard.runtime.context import WorkerContext   # noqa: E402
-from raytrain_guard.runtime.train_loop import (DirectoryReporter, GuardedTrainLoop,  # noqa: E402
-                                               LoopConfig, shrink_verdict)
-
-import examples.toy as toy   # noqa: E402
-
+import examples.toy as toy  # noqa: E402
+from raytrain_guard.coordination.client import (  # noqa: E402
+    CoordinatorClient,
+    LockstepDecisionSource,
+)
+from raytrain_guard.coordination.context import WorkerContext  # noqa: E402
+from raytrain_guard.coordination.lockstep import Lockstep  # noqa: E402
+from raytrain_guard.core.decisions import Action, Cause, Decision  # noqa: E402
+from raytrain_guard.core.steps import StepStats  # noqa: E402
+from raytrain_guard.runtime.loop.layout import shrink_verdict
+from raytrain_guard.runtime.loop.train_loop import (  # noqa: E402
+    DirectoryReporter,
+    GuardedTrainLoop,
+    LoopConfig,
+)
 
 # -- the verdict (pure) --------------------------------------------------------------------------
 
@@ -117,17 +122,19 @@ def test_shrink_applies_at_its_step_and_keeps_every_step_sample_set(runs):
     # micro-batches of 4 x 2 before step 2, of 2 x 4 from step 2 on
     sizes = _sizes_by_step(tmp / "shrunk")
     assert [sizes[s] for s in range(8)] == [[4, 4]] * 2 + [[2, 2, 2, 2]] * 6
-    assert (shrunk.micro_batch, shrunk.grad_accum) == (2, 4)
-    assert shrunk.loader.batch_size == 2 and shrunk.steps_per_epoch == 4
+    layout = shrunk.layout
+    assert (layout.micro_batch, layout.grad_accum) == (2, 4)
+    assert layout.loader.batch_size == 2 and layout.steps_per_epoch == 4
 
 
 def test_shrunk_run_ends_with_the_reference_weights(runs):
     import torch
     _, reference, shrunk, _ = runs
-    for (name, p), (_, q) in zip(reference.planned.module.named_parameters(),
-                                 shrunk.planned.module.named_parameters()):
+    for (name, p), (_, q) in zip(reference.model.planned.module.named_parameters(),
+                                 shrunk.model.planned.module.named_parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
-    assert float(shrunk._last_loss) == pytest.approx(float(reference._last_loss), rel=1e-5)
+    assert float(shrunk.steps.last_loss) == pytest.approx(float(reference.steps.last_loss),
+                                                         rel=1e-5)
 
 
 def test_results_and_setup_record_the_change_and_the_refusal(runs):
@@ -155,7 +162,8 @@ def test_shrink_at_an_epoch_boundary(runs, tmp_path):
     assert _ids_by_step(tmp_path / "edge") == _ids_by_step(tmp / "reference")
     sizes = _sizes_by_step(tmp_path / "edge")
     assert [sizes[s] for s in range(8)] == [[4, 4]] * 4 + [[2, 2, 2, 2]] * 4
-    for p, q in zip(reference.planned.module.parameters(), shrunk.planned.module.parameters()):
+    for p, q in zip(reference.model.planned.module.parameters(),
+                    shrunk.model.planned.module.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 
 
@@ -167,19 +175,21 @@ def test_resume_continues_with_the_shrunk_layout(runs, tmp_path):
     # first part: the shrink at step 2, stop after step 4 (final checkpoint at 4)
     source = ScriptedDecisionSource({0: [(2, _shrink(2))]})
     first = _run(tmp_path, "part", decision_source=source, max_steps=4)
-    assert (first.results["step"], first.micro_batch, first.grad_accum) == (4, 2, 4)
+    assert (first.results["step"], first.layout.micro_batch, first.layout.grad_accum) == (4, 2, 4)
     # second part: the same config (micro_batch 4 x grad_accum 2), resumed from step 4
     config = LoopConfig.from_dict({**BASE, "audit_dir": str(tmp_path / "rest")})
     shutil.copytree(tmp_path / "part-ckpt", tmp_path / "rest-ckpt")
     rest = GuardedTrainLoop(config, context=WorkerContext(world_rank=0, world_size=1),
                             reporter=DirectoryReporter(str(tmp_path / "rest-ckpt")))
     rest.run()
-    assert rest.resumed_from == 4 and (rest.micro_batch, rest.grad_accum) == (2, 4)
+    assert rest.steps.resumed_from == 4
+    assert (rest.layout.micro_batch, rest.layout.grad_accum) == (2, 4)
     assert rest.results["batch_changes"][0]["step"] == 2
     ref_ids = _ids_by_step(tmp / "reference")
     assert _ids_by_step(tmp_path / "rest") == {s: ref_ids[s] for s in range(4, 8)}
     assert _sizes_by_step(tmp_path / "rest")[4] == [2, 2, 2, 2]
-    for p, q in zip(reference.planned.module.parameters(), rest.planned.module.parameters()):
+    for p, q in zip(reference.model.planned.module.parameters(),
+                    rest.model.planned.module.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
 
 
@@ -204,12 +214,19 @@ class _Coordinator:
         self.decisions_since = _Method(self.fetches)
 
 
+class _AnsweredClient(CoordinatorClient):
+    """The real client; the one method that waits on Ray finds every call answered."""
+
+    def _answers(self, refs):
+        return [[] for _ in refs]
+
+
 def test_client_sends_the_current_setup_with_each_report():
     coordinator = _Coordinator()
     layout = {"micro_batch": 8, "grad_accum": 2, "prefetch_factor": 4}
-    client = CoordinatorClient("c", namespace="ns", world_rank=1, node_id="n1",
+    client = _AnsweredClient("c", namespace="ns", world_rank=1, node_id="n1",
                                report_every_steps=2, lookup=lambda name, ns: coordinator,
-                               run_lookup=lambda look_up: look_up())
+                               background=False)
     source = LockstepDecisionSource(Lockstep(every_steps=100), client)
     source.bind_setup(lambda: dict(layout))
     client.record([StepStats(step=0, total_s=0.1, world_rank=1),
@@ -228,9 +245,9 @@ def test_client_reports_without_setup_when_it_fails():
 
     def broken():
         raise RuntimeError("loader gone")
-    client = CoordinatorClient("c", namespace="ns", world_rank=0, node_id="n1",
+    client = _AnsweredClient("c", namespace="ns", world_rank=0, node_id="n1",
                                report_every_steps=1, lookup=lambda name, ns: coordinator,
-                               run_lookup=lambda look_up: look_up(),
+                               background=False,
                                setup=broken)
     client.record(StepStats(step=0, total_s=0.1, world_rank=0))
     assert coordinator.reports[0][4] is None and client.connected and client.num_failures == 0
@@ -254,13 +271,13 @@ def test_a_node_scoped_shrink_from_the_coordinator_is_dropped_by_every_rank(capl
                        decision_id=3).to_dict()
 
     class Fetched(CoordinatorClient):
-        def _ready_results(self):
-            return [dict(_shrink(8, decision_id=2), scope="node:n1"), release]
+        def _answers(self, refs):
+            return [None, [dict(_shrink(8, decision_id=2), scope="node:n1"), release]]
 
-    client = Fetched("c", namespace="ns", world_rank=0, node_id="n1", report_every_steps=2,
-                     lookup=lambda name, ns: None, run_lookup=lambda look_up: None)
-    client._fetch = object()                         # a fetch is out
+    client = Fetched("c", namespace="ns", world_rank=0, node_id="n1", report_every_steps=1,
+                     lookup=lambda name, ns: _Coordinator(), background=False)
     with caplog.at_level("WARNING"):
+        client.record(StepStats(step=0, total_s=0.1))     # a report and a decisions fetch
         decisions = client.poll_decisions()
     assert [d.decision_id for d in decisions] == [3]
     assert "ignoring an unreadable decision" in caplog.text and "scope 'cluster'" in caplog.text
@@ -269,7 +286,7 @@ def test_a_node_scoped_shrink_from_the_coordinator_is_dropped_by_every_rank(capl
 def test_cluster_source_keeps_the_setup_for_the_client_it_builds():
     import pickle
 
-    from raytrain_guard.cluster.client import ClusterDecisionSource
+    from raytrain_guard.coordination.client import ClusterDecisionSource
     source = ClusterDecisionSource("r", "ns")
     source.bind_setup(lambda: {"micro_batch": 1})
     assert pickle.loads(pickle.dumps(source))._setup is None    # not shipped to workers

@@ -37,14 +37,22 @@ class _Source:
 def _worker(rank: int, out: str, fail_rank: int) -> None:
     sys.path.insert(0, str(ROOT))
     from examples import toy
-    from raytrain_guard.runtime.context import WorkerContext
-    from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+    from raytrain_guard.coordination.context import WorkerContext
+    from raytrain_guard.runtime.loop.layout import BatchLayout
+    from raytrain_guard.runtime.loop.train_loop import (
+        DirectoryReporter,
+        GuardedTrainLoop,
+        LoopConfig,
+    )
 
-    class Loop(GuardedTrainLoop):
-        def _prepare_loader(self, micro_batch):
-            if self.rank == fail_rank:
-                raise OSError("no room for the loader's workers")
-            return super()._prepare_loader(micro_batch)
+    built = BatchLayout.new_loader
+
+    def new_loader(self, micro_batch, **kwargs):     # a rebuilt loader (no dataset: a shrink)
+        if self.rank == fail_rank and kwargs.get("dataset") is None:
+            raise OSError("no room for the loader's workers")
+        return built(self, micro_batch, **kwargs)
+
+    BatchLayout.new_loader = new_loader               # this process's only
 
     config = LoopConfig.from_dict({
         "model_factory": toy.make_model,
@@ -53,12 +61,13 @@ def _worker(rank: int, out: str, fail_rank: int) -> None:
         "num_workers": 0, "measure_bandwidth": False, "checkpoint_every_steps": 100,
         "decision_source": _Source(), "audit_dir": os.path.join(out, "audit"),
         "guard": {"lockstep_every_steps": 2}})
-    loop = Loop(config, reporter=DirectoryReporter(out),
-                context=WorkerContext(world_rank=rank, world_size=2))
+    loop = GuardedTrainLoop(config, reporter=DirectoryReporter(out),
+                            context=WorkerContext(world_rank=rank, world_size=2))
     results = loop.run()
+    layout = loop.layout
     with open(os.path.join(out, f"result{rank}.json"), "w") as fh:
-        json.dump({"micro_batch": loop.micro_batch, "grad_accum": loop.grad_accum,
-                   "changes": loop.batch_changes, "step": results["step"]}, fh)
+        json.dump({"micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
+                   "changes": layout.changes, "step": results["step"]}, fh)
 
 
 @pytest.mark.parametrize("fail_rank, layout", [(1, (8, 1)), (-1, (4, 2))])

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_guard.cluster.client import ScriptedDecisionSource   # noqa: E402
-from raytrain_guard.core.decisions import Action, Cause, Decision   # noqa: E402
-from raytrain_guard.runtime.train_loop import train_loop_per_worker   # noqa: E402
-
-import examples.toy as toy   # noqa: E402
+import examples.toy as toy  # noqa: E402
+import scripted_source  # noqa: E402
+from raytrain_guard.core.decisions import Action, Cause, Decision  # noqa: E402
+from raytrain_guard.runtime.loop.train_loop import train_loop_per_worker  # noqa: E402
 
 ray = pytest.importorskip("ray")
 
@@ -61,7 +60,7 @@ def _by_step(entries: list[dict]) -> dict[int, list[list[int]]]:
 
 
 def _model_state(result) -> dict:
-    from raytrain_guard.runtime.checkpoint import read_sharded
+    from sharded_reader import read_sharded
     with result.checkpoint.as_directory() as directory:
         return read_sharded(directory)
 
@@ -73,7 +72,8 @@ def runs(ray_instance, tmp_path_factory):
     decision = Decision(Action.SHRINK_MICRO_BATCH, "rehearsed: rank 1 near critical memory",
                         APPLY_STEP, Cause.DEVICE_MEMORY, "cluster",
                         {"micro_batch": 2, "grad_accum": 4}, decision_id=7).to_dict()
-    source = ScriptedDecisionSource({0: [(1, decision)], 1: [(2, decision)]})
+    ray.cloudpickle.register_pickle_by_value(scripted_source)     # the workers unpickle it
+    source = scripted_source.ScriptedDecisionSource({0: [(1, decision)], 1: [(2, decision)]})
     shrunk = _fit(tmp, "shrunk", {**BASE, "decision_source": source})
     return tmp, reference, shrunk
 

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from gloo_world import spawn  # noqa: E402
 
 from raytrain_guard.experiment.runner import BUILT_IN_DEVICE_MEMORY_BYTES  # noqa: E402
+from raytrain_guard.runtime.loop.config import REHEARSAL
 
 BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
             "dataset_factory": "raytrain_guard.experiment.model:make_dataset",
@@ -30,9 +31,13 @@ BUILT_IN = {"model_factory": "raytrain_guard.experiment.model:make_model",
 def _spike_worker(rank: int, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from raytrain_guard.core.faults import parse_fault
-    from raytrain_guard.runtime.context import WorkerContext
-    from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+    from raytrain_guard.coordination.context import WorkerContext
+    from raytrain_guard.experiment.faults import parse_fault
+    from raytrain_guard.runtime.loop.train_loop import (
+        DirectoryReporter,
+        GuardedTrainLoop,
+        LoopConfig,
+    )
 
     spike = parse_fault("activation_spike:rank=1,start=6,factor=8,steps=2")
     got = {}
@@ -42,16 +47,17 @@ def _spike_worker(rank: int, out: str) -> None:
         config = LoopConfig.from_dict({
             **BUILT_IN, "strategy": "fsdp-full", "micro_batch": 8, "max_steps": 10,
             "num_workers": 0, "seed": 3, "measure_bandwidth": False,
-            "checkpoint_every_steps": 100, "device_memory_bytes": card,
+            "checkpoint_every_steps": 100, "device_memory_bytes": card, "rehearsal": REHEARSAL,
             "faults": {"inject": [spike.to_dict()], "marker_dir": os.path.join(out, name)}})
         loop = GuardedTrainLoop(config, reporter=DirectoryReporter(os.path.join(out, name)),
                                 context=WorkerContext(world_rank=rank, world_size=2))
         results = loop.run()
-        state = get_model_state_dict(loop.planned.module,
+        state = get_model_state_dict(loop.model.planned.module,
                                      options=StateDictOptions(full_state_dict=True))
         got[name] = {"step": results["step"],
                      "splits": [[d["applied_at"], d["params"]["pieces"], d["applied"]]
-                                for d in loop.decisions if d["action"] == "split_micro_batch"],
+                                for d in loop.recorder.decisions
+                                if d["action"] == "split_micro_batch"],
                      "params": [state[k].flatten().tolist() for k in sorted(state)]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump(got, fh)
@@ -73,16 +79,20 @@ SAMPLE_S = 0.015    # per sample on rank 1: 8 of them a step, far above a busy b
 
 
 def _slow_data_worker(rank: int, out: str) -> None:
-    from raytrain_guard.core.faults import parse_fault
-    from raytrain_guard.runtime.context import WorkerContext
-    from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+    from raytrain_guard.coordination.context import WorkerContext
+    from raytrain_guard.experiment.faults import parse_fault
+    from raytrain_guard.runtime.loop.train_loop import (
+        DirectoryReporter,
+        GuardedTrainLoop,
+        LoopConfig,
+    )
 
     torch.set_num_threads(1)            # two ranks on two cores: one thread each
     slow = parse_fault(f"slow_data:rank=1,start=0,seconds={SAMPLE_S}")
     config = LoopConfig.from_dict({
         **BUILT_IN, "strategy": "fsdp-full", "micro_batch": 8, "max_steps": 10,
         "num_workers": 0, "seed": 3, "measure_bandwidth": False, "checkpoint_every_steps": 100,
-        "device_memory_bytes": 1 << 30, "trace_dir": out,
+        "device_memory_bytes": 1 << 30, "trace_dir": out, "rehearsal": REHEARSAL,
         "faults": {"inject": [slow.to_dict()], "marker_dir": out}})
     GuardedTrainLoop(config, reporter=DirectoryReporter(out),
                      context=WorkerContext(world_rank=rank, world_size=2)).run()

@@ -5,14 +5,14 @@ with a gate fed every step."""
 from __future__ import annotations
 
 import pytest
+from scripted_probes import ScriptedProbe
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Cause
 from raytrain_guard.core.gate import StepGate
 from raytrain_guard.core.steps import StepStats
-from raytrain_guard.runtime.probes import ScriptedProbe
-from raytrain_guard.runtime.step_guard import StepGuard
-from raytrain_guard.runtime.timing import StepTimer
+from raytrain_guard.runtime.guard.step_guard import StepGuard
+from raytrain_guard.runtime.guard.timing import StepTimer
 
 
 class HandClock:
@@ -74,9 +74,10 @@ def _reference() -> dict[int, list[str]]:
 
 
 def test_quiet_steps_reach_the_gate_in_batches_and_decisions_keep_their_step():
-    # K = gate_batch_steps = 5. The quiet bound needs (n - 1) // 2 - (K - 1) >= 0, n >= 9
-    # steps in the window: steps 2-10 (after 2 warm-up steps) go to the gate one by one, then
-    # quiet steps wait: 11-15 go at 15, 16-20 at 20, ...
+    # K = gate_batch_steps = 5. The j-th waiting step's quiet bound needs (n - 1) // 2 - j >= 0
+    # of the n steps in the window: steps 0-4 go to the gate one by one (no bound under three
+    # steps after the 2 warm-up ones); with n = 3, steps 5-6 have bounds and 7-9, over their
+    # bound of 0, make a run of three: fed at 9; from then on a batch of K: 10-14 at 14, ...
     config = GuardConfig(gate_batch_steps=5, memory_predict_steps=0)
     clock = HandClock()
     guard = StepGuard(config, probe=ScriptedProbe(FRACS), timer=StepTimer(clock=clock),
@@ -92,17 +93,17 @@ def test_quiet_steps_reach_the_gate_in_batches_and_decisions_keep_their_step():
         if decisions:
             got[step] = [d.action.value for d in decisions]
     assert got == _reference() == {62: ["slow_step"], 70: ["release_cache"]}
+    assert fed_at[:7] == [0, 1, 2, 3, 4, 9, 14]
     # steps 20-59 decide nothing: the gate is fed at every 5th step only, 8 times instead of
     # 40; the slow steps 41, 46 and 47 wait too (no run of three)
-    assert [s for s in fed_at if 20 <= s < 60] == [20, 25, 30, 35, 40, 45, 50, 55]
-    # step 60 goes with the 5-step batch (56-60), leaving the gate a run of one slow step; 61
-    # waits (a run of two), 62 could complete the run (three): fed at once, decided at once.
-    # The high reading goes at its own step.
-    assert 61 not in fed_at and {60, 62, 70} <= set(fed_at)
+    assert [s for s in fed_at if 20 <= s < 60] == [24, 29, 34, 39, 44, 49, 54, 59]
+    # 60 and 61 wait (slow: a run of two), 62 could complete the run (three): fed at once,
+    # decided at once. The high reading goes at its own step.
+    assert not {60, 61} & set(fed_at) and {62, 70} <= set(fed_at)
     # drain_stats gives every step, in order, without feeding the waiting ones to the gate;
     # reading the gate feeds them: every step reaches it once
     stats = guard.drain_stats()
-    assert gate.num_observed + guard.feed.num_waiting == len(TOTALS) and guard.feed.num_waiting
+    assert gate.num_observed < len(TOTALS)
     assert guard.gate.num_observed == len(TOTALS)
     assert [s.step for s in stats][-50:] == list(range(30, 80))
     assert [s.total_s for s in stats][-50:] == pytest.approx(TOTALS[30:])
@@ -112,22 +113,23 @@ def test_drain_and_state_dict_see_buffered_steps():
     config = GuardConfig(gate_batch_steps=10)
     clock = HandClock()
     guard = StepGuard(config, timer=StepTimer(clock=clock))
+    guard.gate = gate = CountingGate(config)
     for step in range(45):
         assert _step(guard, clock, step) == []
-    assert guard.feed.num_waiting           # quiet steps are waiting (45 is no multiple of 10)
+    assert gate.num_observed < 45           # quiet steps are waiting (45 is no multiple of 10)
     assert [s.step for s in guard.drain_stats()][-1] == 44
     assert guard.state_dict()["gate"]["num_seen"] == 45
 
 
 def test_host_memory_far_below_the_watermark_is_read_every_few_steps():
-    # memory_read_every_steps=4, gate_batch_steps=5: quiet bounds from step 11 on (see
+    # memory_read_every_steps=4, gate_batch_steps=5: quiet bounds from step 5 on (see
     # above); the reuse line is 0.88 - 0.05 = 0.83 and the margin is sized for a growth of
-    # 0.05 / 4 = 0.0125 per step. Steps 0-10 read every step (11 reads). Step 11 reads 0.50:
-    # 3 + int((0.83 - 0.50) / 0.0125) = 29 steps, capped at 4 x 4 - 1 = 15: reused at 12-26.
-    # Step 27 reads 0.80: 3 + int(0.03 / 0.0125) = 5 steps reused (28-32). Step 33 reads
-    # 0.84 >= 0.83: every step from then on (33-44: 12 reads) -> 25 reads for 45 steps.
+    # 0.05 / 4 = 0.0125 per step. Steps 0-4 read every step (5 reads). Step 5 reads 0.50:
+    # 3 + int((0.83 - 0.50) / 0.0125) = 29 steps, capped at 4 x 4 - 1 = 15: reused at 6-20.
+    # Step 21 reads 0.80: 3 + int(0.03 / 0.0125) = 5 steps reused (22-26). Step 27 reads
+    # 0.84 >= 0.83: every step from then on (27-44: 18 reads) -> 25 reads for 45 steps.
     config = GuardConfig(gate_batch_steps=5, memory_read_every_steps=4)
-    fracs = [0.5] * 12 + [0.80, 0.84]       # the last reading repeats
+    fracs = [0.5] * 6 + [0.80, 0.84]        # the last reading repeats
     probe = ScriptedProbe(fracs, cause=Cause.HOST_MEMORY)
     clock = HandClock()
     guard = StepGuard(config, probe=probe, timer=StepTimer(clock=clock))
@@ -135,8 +137,8 @@ def test_host_memory_far_below_the_watermark_is_read_every_few_steps():
         _step(guard, clock, step)
     assert probe.num_reads == 25
     stats = guard.drain_stats()
-    assert [s.memory_frac for s in stats] == pytest.approx([0.5] * 27 + [0.80] * 6
-                                                          + [0.84] * 12)
+    assert [s.memory_frac for s in stats] == pytest.approx([0.5] * 21 + [0.80] * 6
+                                                          + [0.84] * 18)
     # a device probe is read every step
     device = ScriptedProbe([0.5])
     guard = StepGuard(config, probe=device, timer=StepTimer(clock=clock))
@@ -209,8 +211,9 @@ def test_noisy_steps_decide_at_the_same_steps_as_a_gate_fed_every_step(seed):
 
 def test_waiting_steps_are_capped_by_the_window():
     # gate_batch_steps=20 with step_window=20: the batch is capped at 20 // 2 - 5 = 5 steps, so
-    # the quiet bound (1.5 x the (19 // 2 - 4) = 5th smallest total) exists; steady 10 ms steps
-    # then reach the gate every 5th step, not every 20th.
+    # the last waiting step's quiet bound (the (19 // 2 - 4) = 5th smallest total + the floor)
+    # stays off the fastest steps; steady 10 ms steps reach the gate every 5th step, not every
+    # 20th.
     config = GuardConfig(step_window=20, gate_batch_steps=20)
     clock = HandClock()
     guard = StepGuard(config, timer=StepTimer(clock=clock))
@@ -223,8 +226,9 @@ def test_waiting_steps_are_capped_by_the_window():
         if gate.num_observed > before:
             fed_at.append(step)
     late = [s for s in fed_at if s >= 40]
-    assert late == list(range(40, 80, 5))
-    assert gate.num_observed + guard.feed.num_waiting == 80
+    assert late == list(range(44, 80, 5))
+    guard.feed.flush()
+    assert gate.num_observed == 80
 
 
 @pytest.mark.parametrize("seed", range(20))

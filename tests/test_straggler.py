@@ -1,5 +1,5 @@
-"""The coordinator's step-by-step straggler rule (core.straggler.persistent_slowdowns) with the
-host's contention: pure, scripted figures."""
+"""The coordinator's step-by-step straggler rule (core.straggler.persistent_slowdowns): pure,
+scripted figures."""
 
 from __future__ import annotations
 
@@ -7,44 +7,7 @@ import pytest
 
 from raytrain_guard.core.decisions import Cause
 from raytrain_guard.core.steps import StepStats
-from raytrain_guard.core.straggler import persistent_slowdowns, summarize
-
-HOST = {"host_wait_frac": 0.5, "host_settle_steps": 3, "host_settle_factor": 1.5}
-
-
-def _windows(slow_waits):
-    """Rank 0 computes 5 ms a step (10 ms steps); rank 1 likewise, but 15 ms at steps 7-9
-    (20 ms steps), having waited ``slow_waits`` seconds for a CPU in them (0.5 ms elsewhere)."""
-    windows = {0: [], 1: []}
-    for step in range(10):
-        for rank in (0, 1):
-            slow = rank == 1 and step >= 7
-            wait_s = slow_waits[step - 7] if slow else 0.0005
-            windows[rank].append(StepStats(step, 0.020 if slow else 0.010, 0.001,
-                                           0.015 if slow else 0.005, world_rank=rank,
-                                           cpu_wait_s=wait_s))
-    return windows
-
-
-@pytest.mark.parametrize("waits,host,named", [
-    # no wait for a CPU: rank 1's compute is 10 ms over rank 0's at 3 steps in a row
-    ((0.0005, 0.0005, 0.0005), HOST, True),
-    # it waited 9 ms at step 7 (over half the 10 ms): the host's; 8 and 9 its aftermath
-    ((0.0095, 0.0005, 0.0005), HOST, False),
-    # the rule off (the function's default): named
-    ((0.0095, 0.0005, 0.0005), {}, True),
-    # 4 ms is under half: the rank's
-    ((0.0045, 0.0005, 0.0005), HOST, True),
-])
-def test_a_slowdown_the_hosts_contention_explains_is_not_a_straggler(waits, host, named):
-    windows = _windows(waits)
-    found = persistent_slowdowns(windows, {r: summarize(w) for r, w in windows.items()},
-                                 **host)
-    if named:
-        assert list(found) == [1] and found[1].cause is Cause.COMPUTE
-        assert found[1].steps == (7, 8, 9)
-    else:
-        assert found == {}
+from raytrain_guard.core.straggler import StepColumns, persistent_slowdowns, summarize
 
 
 def _slow_at(slow_steps, num_steps=40):
@@ -55,7 +18,8 @@ def _slow_at(slow_steps, num_steps=40):
 
 
 def _found(windows, num_steps=20):
-    return persistent_slowdowns(windows, {r: summarize(w) for r, w in windows.items()},
+    return persistent_slowdowns({r: StepColumns.of(w) for r, w in windows.items()},
+                                {r: summarize(w) for r, w in windows.items()},
                                 num_steps=num_steps, scan_steps=40)
 
 
@@ -85,3 +49,15 @@ def test_a_short_run_still_asks_every_step():
     # num_steps 3 (the gate's run): 3 of 3, no miss allowed (10 % of 3 rounds down to 0)
     assert list(_found(_slow_at({20, 21, 22}), num_steps=3)) == [1]
     assert _found(_slow_at({20, 22, 23}), num_steps=3) == {}
+
+
+def test_a_missing_batch_leaves_its_steps_out_of_the_common_steps():
+    """Rank 0's report of steps 30-34 never arrived: the steps both ranks reported are
+    compared (the latest 20 of rank 0 up to 39 hold 15 that rank 1 has too)."""
+    windows = _slow_at(range(40))
+    windows[0] = [s for s in windows[0] if not 30 <= s.step < 35]
+    found = persistent_slowdowns({r: StepColumns.of(w) for r, w in windows.items()},
+                                 {r: summarize(w) for r, w in windows.items()},
+                                 num_steps=10, scan_steps=20)
+    assert found[1].steps == (25, 26, 27, 28, 29, 35, 36, 37, 38, 39)
+    assert found[1].cause is Cause.COMPUTE and found[1].excess_s == pytest.approx(0.010)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raytrain_guard.errors import InputError
-from raytrain_guard.runtime.timing import StepTimer
+from raytrain_guard.runtime.guard.timing import StepTimer
 
 
 class TickClock:
@@ -157,7 +157,7 @@ def test_comm_timer_wraps_a_given_hook(tmp_path):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from raytrain_guard.runtime.timing import attach_comm_timer
+    from raytrain_guard.runtime.guard.comm_timers import attach_comm_timer
 
     calls = []
 
@@ -192,7 +192,7 @@ def test_comm_wait_is_the_late_completion_after_the_last_bucket(tmp_path):
     from gloo_world import one_rank
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from raytrain_guard.runtime.timing import attach_comm_timer
+    from raytrain_guard.runtime.guard.comm_timers import attach_comm_timer
 
     def slow_last_bucket(state, bucket):
         fut = torch.futures.Future()
@@ -300,7 +300,7 @@ class FakeEvent:
 def test_event_stamps_give_the_optimizer_the_rest_after_backward_too():
     # CUDA stamps (events, read with elapsed_time in ms): start 0, data 10, forward 30,
     # backward 60, end 75 -> optimizer 15 ms from the last backward mark to the end
-    from raytrain_guard.runtime.timing import UNTIMED, _elapsed_s, _StepRecord
+    from raytrain_guard.runtime.guard.timing import UNTIMED, _elapsed_s, _StepRecord
 
     record = _StepRecord(FakeEvent(0.0), 0.0)
     record.marks += [(0, FakeEvent(10.0)), (1, FakeEvent(30.0)), (2, FakeEvent(60.0)),

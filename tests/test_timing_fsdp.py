@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 from gloo_world import spawn  # noqa: E402
 
-from raytrain_guard.runtime.timing import StepTimer  # noqa: E402
+from raytrain_guard.runtime.guard.timing import StepTimer  # noqa: E402
 
 
 class _Clock:
@@ -73,8 +73,9 @@ STEPS = 5           # step 0 (lazy initialisation) is left out of every figure
 def _worker(rank: int, out_dir: str) -> None:
     import time
 
-    from raytrain_guard.runtime.model import wrap_model
-    from raytrain_guard.runtime.timing import StepTimer, attach_fsdp_comm_timer
+    from raytrain_guard.runtime.dist.model import wrap_model
+    from raytrain_guard.runtime.guard.comm_timers import attach_fsdp_comm_timer
+    from raytrain_guard.runtime.guard.timing import StepTimer
 
     torch.set_num_threads(1)            # two ranks on two cores: one thread each
     out: dict = {"delays": 0}
@@ -110,8 +111,7 @@ def _worker(rank: int, out_dir: str) -> None:
             s = timer.finish_step(step)
             rows.append([s.forward_s, s.backward_s, s.comm_wait_s, s.total_s])
         out[arm] = rows
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(planned.module,
                                      options=StateDictOptions(full_state_dict=True))
         out[f"{arm}_params"] = [state[k].flatten().tolist() for k in sorted(state)]

@@ -15,9 +15,10 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from examples import models
-from raytrain_guard.core.memory_model import TrainingSetup, estimate
 from raytrain_guard.errors import TraceError
-from raytrain_guard.trace import load_object, skip_frozen_grad_hooks, trace_model
+from raytrain_guard.planner.memory_model import TrainingSetup, estimate
+from raytrain_guard.planner.step_memory import skip_frozen_grad_hooks
+from raytrain_guard.planner.trace import load_object, trace_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -199,7 +200,7 @@ def test_trace_allocates_no_model_memory():
     child = (
         "import json, functools, resource\n"
         "from examples import models\n"
-        "from raytrain_guard.trace import trace_model\n"
+        "from raytrain_guard.planner.trace import trace_model\n"
         "build = functools.partial(models.TinyGPT, vocab=50304, hidden=2048, heads=16,\n"
         "                          layers=2, max_seq=256, sdpa=True)\n"
         "r = trace_model(build, lambda batch_size=1: models.torch.randint(0, 50304, "
@@ -216,8 +217,8 @@ def test_trace_allocates_no_model_memory():
 
 
 def test_largest_unit_is_the_root_when_embeddings_outweigh_a_block():
-    from raytrain_guard.runtime.model import wrap_units
-    from raytrain_guard.trace import model_stats_of
+    from raytrain_guard.planner.fsdp_units import wrap_units
+    from raytrain_guard.planner.trace import model_stats_of
 
     with torch.device("meta"):
         model = models.gpt_1b()
@@ -231,7 +232,7 @@ def test_largest_unit_is_the_root_when_embeddings_outweigh_a_block():
 
 
 def test_wrap_units_never_returns_a_container_without_forward():
-    from raytrain_guard.runtime.model import wrap_units
+    from raytrain_guard.planner.fsdp_units import wrap_units
 
     class Dicts(nn.Module):  # blocks in a ModuleDict, a one-element ModuleList: no forward
         def __init__(self):
@@ -329,8 +330,8 @@ def test_data_dependent_forward_keeps_its_advice():
 
 def test_llama_example_units_match_the_analytic_shape():
     from examples import llama
-    from raytrain_guard.core.activations import TransformerShape, transformer_model_stats
-    from raytrain_guard.trace import model_stats_of
+    from raytrain_guard.planner.activations import TransformerShape, transformer_model_stats
+    from raytrain_guard.planner.trace import model_stats_of
 
     with torch.device("meta"):
         model = llama.llama_3b()
@@ -354,7 +355,7 @@ def test_llama_trace_agrees_with_the_analytic_model(recompute):
     import functools
 
     from examples import llama
-    from raytrain_guard.core.activations import analytic_transformer
+    from raytrain_guard.planner.activations import analytic_transformer
 
     cfg = llama.LlamaConfig(layers=2, hidden=256, heads=8, kv_heads=2, ffn_hidden=768,
                             vocab=4096, max_seq=256)

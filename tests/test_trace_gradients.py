@@ -5,7 +5,7 @@ the rest as shards) instead of as the unsharded trace saw them."""
 from __future__ import annotations
 
 from examples import models
-from raytrain_guard.trace import trace_model
+from raytrain_guard.planner.trace import trace_model
 
 
 def test_mlp_trace_separates_its_gradients():

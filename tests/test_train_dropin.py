@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from examples import toy
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.coordination.context import WorkerContext
 from raytrain_guard.errors import ConfigError, InputError
-from raytrain_guard.runtime.context import WorkerContext
-from raytrain_guard.runtime.dropin_loader import DropInDataLoader, lower_to_budget
-from raytrain_guard.runtime.worker_guard import WorkerGuard
+from raytrain_guard.runtime.dropin.loader import DropInDataLoader, lower_to_budget
+from raytrain_guard.runtime.dropin.worker import WorkerGuard
 from raytrain_guard.units import MiB
 
 CFG = GuardConfig()
@@ -91,7 +91,7 @@ def test_given_settings_within_budget_are_kept_and_set_epoch_works():
 
 
 def _guard(**settings) -> WorkerGuard:
-    from raytrain_guard.runtime.worker_guard import WorkerSettings
+    from raytrain_guard.runtime.dropin.worker import WorkerSettings
     return WorkerGuard(WorkerSettings(**settings), context=WorkerContext())
 
 
@@ -222,7 +222,7 @@ def test_a_plan_that_does_not_fit_is_refused_before_ray_starts():
     import ray
     from ray.train import ScalingConfig
 
-    from raytrain_guard.cluster.launcher import PlanDoesNotFit
+    from raytrain_guard.cluster.planning import PlanDoesNotFit
     from raytrain_guard.train import GuardOptions, TorchTrainer
 
     trainer = TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2),
@@ -238,7 +238,7 @@ def test_a_plan_that_does_not_fit_is_refused_before_ray_starts():
 def test_the_guarded_train_function_keeps_the_arity():
     import inspect
 
-    from raytrain_guard.runtime.worker_guard import WorkerSettings
+    from raytrain_guard.runtime.dropin.worker import WorkerSettings
     from raytrain_guard.train import get_guard, guarded_train_func
 
     seen = []
@@ -252,7 +252,7 @@ def test_the_guarded_train_function_keeps_the_arity():
 
 
 def test_the_report_counts_attempts_from_failures_and_the_coordinator():
-    from raytrain_guard.train import build_report
+    from raytrain_guard.cluster.summary import build_report
 
     failure = {"kind": "exception", "ranks": [1], "errors": {"1": "RuntimeError()"}}
     report = {"kind": "report"}

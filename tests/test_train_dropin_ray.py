@@ -199,7 +199,7 @@ class Watcher(threading.Thread):
     def run(self) -> None:
         from ray.util.state import list_actors
 
-        from raytrain_guard.cluster.client import coordinator_name
+        from raytrain_guard.coordination.client import coordinator_name
         try:
             deadline = time.monotonic() + 300
             coordinator = None
@@ -236,8 +236,8 @@ def test_converted_script_runs_guarded(ray_with_dashboard):
     from ray.util.state import list_actors
 
     from raytrain_guard.cluster.actors import MONITOR_PREFIX
-    from raytrain_guard.cluster.client import coordinator_name
     from raytrain_guard.config import GuardConfig
+    from raytrain_guard.coordination.client import coordinator_name
 
     script = load(convert(PLAIN), "converted_script")
     tmp = _tmp()

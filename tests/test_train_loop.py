@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from examples import toy
-from raytrain_guard.cluster.client import CoordinatorClient, LockstepDecisionSource
-from raytrain_guard.cluster.lockstep import Lockstep, SingleRankExchange
+from raytrain_guard.coordination.client import CoordinatorClient, LockstepDecisionSource
+from raytrain_guard.coordination.context import WorkerContext
+from raytrain_guard.coordination.lockstep import Lockstep, SingleRankExchange
 from raytrain_guard.core.decisions import Action, Cause, Decision
-from raytrain_guard.runtime.context import WorkerContext
-from raytrain_guard.runtime.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
+from raytrain_guard.runtime.loop.train_loop import DirectoryReporter, GuardedTrainLoop, LoopConfig
 
 # One rank, 64 samples, micro-batch 4: 16 steps per epoch; max_steps 23 ends inside the sixth
 # report period of N = 4 (steps 20-22). lockstep_every_steps K = 4, so the stop agreement
@@ -73,7 +73,8 @@ class RecordingSource:
         self.finished: list[int] | None = None              # steps handed to finish()
 
     def poll(self, step, stats):
-        self.polls.append((step, [s.step for s in stats], self.loop.guard.feed.num_waiting))
+        # the steps the guard's feed buffers for its gate now
+        self.polls.append((step, [s.step for s in stats], len(self.loop.guard.feed._buffer)))
         due = self.inner.poll(step, stats) if self.inner is not None else []
         return due + self.script.get(step, [])
 
@@ -100,12 +101,11 @@ class CountingLockstep(Lockstep):
 
 
 class AnsweredClient(CoordinatorClient):
-    """The real client; the one method that calls ray.wait finds every call answered, with no
+    """The real client; the one method that waits on Ray finds every call answered, with no
     decisions."""
 
-    def _ready_results(self):
-        self._reports, self._fetch = [], None
-        return []
+    def _answers(self, refs):
+        return [[] for _ in refs]
 
 
 class FakeCoordinator:
@@ -145,12 +145,12 @@ def test_stats_are_read_every_report_period_and_none_is_lost(tmp_path):
     coordinator = FakeCoordinator()
     client = AnsweredClient("c", namespace="ns", world_rank=0, node_id="n0",
                            report_every_steps=N, lookup=lambda name, ns: coordinator,
-                           run_lookup=lambda look_up: look_up())
+                           background=False)
     exchange = CountingExchange()
     source = RecordingSource(LockstepDecisionSource(CountingLockstep(K, exchange), client))
     loop = _run(tmp_path, source)
 
-    assert loop.step == TOTAL and loop.stop_reason is None
+    assert loop.steps.step == TOTAL and loop.boundary.stop_reason is None
     # stats at boundaries 4, 8, ..., 20 and at the last one (23), [] at the others
     handed = {step: steps for step, steps, _ in source.polls if steps}
     assert [step for step, _, _ in source.polls] == list(range(1, TOTAL + 1))
@@ -159,10 +159,10 @@ def test_stats_are_read_every_report_period_and_none_is_lost(tmp_path):
     # every step once, in order, to the decision source and to the gauges
     assert [s for steps in handed.values() for s in steps] == list(range(TOTAL))
     assert loop.metrics.steps == list(range(TOTAL))
-    # the fast path works between and across reads: the gate has bounds once 7 steps after the
-    # 2 warm-up steps are in its window (B - 1 below the median of 7: (7 - 1) // 2 - 3 = 0), so
-    # from step 9 on quiet steps wait, B at most; a read does not flush them, so from boundary
-    # 13 on the guard holds 0, 1, ..., B - 1 of them in turn, whatever the report cadence
+    # the fast path works between and across reads: once the gate's window holds the steps
+    # after the 2 warm-up ones, quiet steps wait, B at most; a read does not flush them, so
+    # from boundary 13 on the guard holds 0, 1, ..., B - 1 of them in turn, whatever the
+    # report cadence
     held = [h for step, _, h in source.polls if step >= 13]
     assert sorted(set(held)) == list(range(B))
     assert all((b - a) % B == 1 for a, b in zip(held, held[1:]))
@@ -194,7 +194,7 @@ def test_stats_are_read_every_report_period_and_none_is_lost(tmp_path):
 def test_a_stop_between_report_steps_loses_no_stats(tmp_path, script, handed_last):
     source = RecordingSource(script=script)
     loop = _run(tmp_path, source)
-    assert loop.step == 11 and loop.stop_reason == "test stop"
+    assert loop.steps.step == 11 and loop.boundary.stop_reason == "test stop"
     assert loop.metrics.steps == list(range(11))
     handed = [s for _, steps, _ in source.polls for s in steps]
     assert handed == list(range(handed_last))

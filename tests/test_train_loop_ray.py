@@ -23,13 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_guard.config import GuardConfig   # noqa: E402
-from raytrain_guard.errors import InputError    # noqa: E402
-from raytrain_guard.runtime.context import WorkerContext   # noqa: E402
-from raytrain_guard.runtime.train_loop import (GuardedTrainLoop, LoopConfig,   # noqa: E402
-                                               train_loop_per_worker)
-
-import examples.toy as toy   # noqa: E402
+import examples.toy as toy  # noqa: E402
+from raytrain_guard.config import GuardConfig  # noqa: E402
+from raytrain_guard.coordination.context import WorkerContext  # noqa: E402
+from raytrain_guard.errors import InputError  # noqa: E402
+from raytrain_guard.runtime.loop.config import REHEARSAL
+from raytrain_guard.runtime.loop.train_loop import (  # noqa: E402
+    GuardedTrainLoop,
+    LoopConfig,
+    train_loop_per_worker,
+)
 
 NUM_SAMPLES = 64      # 32 per rank -> 8 micro-batches of 4 -> 4 steps of grad_accum 2 per epoch
 BASE = dict(model_factory=toy.make_model, dataset_factory=functools.partial(toy.make_dataset,
@@ -93,24 +96,35 @@ def test_cluster_release_cache_is_spaced_with_the_gates_own(caplog, monkeypatch)
     # cluster release at t=70 after the gate's own at t=65
     import logging
 
+    from raytrain_guard.coordination.control_plane import ControlPlane
     from raytrain_guard.core.decisions import Action, Decision
-    from raytrain_guard.runtime import cache_release
-    from raytrain_guard.runtime.step_guard import StepGuard
+    from raytrain_guard.runtime.guard import cache_release
+    from raytrain_guard.runtime.guard.boundary import BoundaryActions, StepBoundary
+    from raytrain_guard.runtime.guard.fail_open import FailOpen
+    from raytrain_guard.runtime.guard.step_guard import StepGuard
     ran = []
     monkeypatch.setattr(cache_release, "release_cache", lambda: ran.append(now[0]))
     now = [0.0]
     cfg = LoopConfig.from_dict({**BASE, "guard": {"release_cache_min_interval_s": 30.0}})
-    loop = GuardedTrainLoop(cfg, context=WorkerContext(world_rank=0, world_size=2))
-    loop.guard = StepGuard(cfg.guard, clock=lambda: now[0])
-    release = Decision(Action.RELEASE_CACHE, "hot", 0, scope="cluster", decision_id=1)
-    with caplog.at_level(logging.INFO, logger="raytrain_guard.runtime.train_loop"):
-        for t in (0.0, 10.0, 31.0):
+    guard = StepGuard(cfg.guard, clock=lambda: now[0])
+    release = Decision(Action.RELEASE_CACHE, "hot", None, scope="cluster", decision_id=1)
+
+    class Source:                                       # the cluster's release, every step
+        def poll(self, step, stats):
+            return [release]
+
+    log = logging.getLogger("raytrain_guard.runtime.guard.boundary")
+    boundary = StepBoundary(cfg.guard, world_rank=0, node_id="n", step_guard=guard,
+                            control=ControlPlane(1), source=Source(), metrics=None,
+                            actions=BoundaryActions(), fail_open=FailOpen(log, str))
+    with caplog.at_level(logging.INFO, logger=log.name):
+        for step, t in enumerate((0.0, 10.0, 31.0), 1):
             now[0] = t
-            loop._apply_cluster(release)
+            boundary.at(step, [])
         now[0] = 65.0
-        assert loop.guard.gate.claim_release()          # the gate's own release at t=65
+        assert guard.gate.claim_release()               # the gate's own release at t=65
         now[0] = 70.0
-        loop._apply_cluster(release)
+        boundary.at(4, [])
     skipped = [r for r in caplog.records if "cluster release_cache skipped" in r.getMessage()]
     assert len(skipped) == 2 and ran == [0.0, 31.0]
 
@@ -140,7 +154,7 @@ def _audit(directory: Path, rank: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(ray_instance, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
-    config = {**BASE, "audit_dir": str(tmp / "audit"),
+    config = {**BASE, "audit_dir": str(tmp / "audit"), "rehearsal": REHEARSAL,
               "faults": {"delay": [{"seconds": 0.04, "phase": "forward", "ranks": [1]}]}}
     result = _fit(tmp, "reference", config)
     return tmp, result, json.loads(result.metrics["results"])
@@ -238,7 +252,7 @@ def fsdp_memory(ray_instance, tmp_path_factory):
     # prediction is off (memory_predict_steps=0) so the jump to 0.89 does not escalate alone.
     config = {**BASE, "strategy": "fsdp-full", "epochs": 4, "stop_check_every_steps": 1,
               "guard": {"cpu_memory_budget_bytes": 3 * 2**29, "memory_predict_steps": 0},
-              "faults": {"memory": [{"rank": 1, "step": 2, "frac": 0.89},
+              "rehearsal": REHEARSAL, "faults": {"memory": [{"rank": 1, "step": 2, "frac": 0.89},
                                     {"rank": 1, "step": 4, "frac": 0.95}]}}
     result = _fit(tmp, "fsdp", config)
     return tmp, result, json.loads(result.metrics["results"])
@@ -295,7 +309,7 @@ def test_error_on_one_rank_fails_the_group_promptly(ray_instance, tmp_path):
 ])
 def test_not_scalar_loss_is_named(loss, match):
     # the check runs on every rank before backward, so no rank enters the allreduce alone
-    from raytrain_guard.runtime.train_loop import _check_loss
+    from raytrain_guard.runtime.loop.config import check_loss
     with pytest.raises(InputError, match=match):
-        _check_loss(loss(), 3)
-    _check_loss(toy.torch.tensor(1.0), 3)
+        check_loss(loss(), 3)
+    check_loss(toy.torch.tensor(1.0), 3)

@@ -1,6 +1,6 @@
 """The hang watchdog, on a clock stepped by hand."""
 
-from raytrain_guard.runtime.watchdog import StepWatchdog
+from raytrain_guard.runtime.guard.watchdog import StepWatchdog
 
 
 class Clock:

@@ -1,119 +1,47 @@
-"""Turning the monitor and the coordinator into Ray actors (the only module here that starts them).
+"""The monitor and the coordinator as Ray actors (the only module that starts them).
 
-:func:`start_monitors` puts one :class:`~raytrain_guard.cluster.monitor.NodeMonitor` of the run
-on each alive node (``num_cpus=0``, pinned to the node, sampling every ``monitor_interval_s``
-and sending to its run's coordinator, fire-and-forget); :func:`start_coordinator` starts the
-run's :class:`~raytrain_guard.cluster.coordinator.Coordinator`; :func:`stop_all` kills a run's
-actors; :func:`register_worker_with_monitor` asks a train worker's node monitor to sample it.
-Actors are named per run in the namespace, so two runs keep apart. What runs where:
-docs/cluster.md.
+:func:`start_monitors` puts one :class:`~raytrain_guard.cluster.monitor.monitor.NodeMonitor`
+of the run on each alive node (``num_cpus=0``, pinned to the node, its samples sent to the
+run's coordinator through a :class:`~raytrain_guard.coordination.link.CoordinatorLink`);
+:func:`start_coordinator` starts the run's coordinator; :func:`stop_all` kills a run's actors.
+Actors are named per run in the namespace, so two runs keep apart: docs/cluster.md.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_guard.cluster.client import COORDINATOR_PREFIX, coordinator_name
-from raytrain_guard.cluster.coordinator import Coordinator
-from raytrain_guard.cluster.monitor import NodeMonitor
+from raytrain_guard.cluster.coordinator.coordinator import Coordinator
+from raytrain_guard.cluster.monitor.monitor import NodeMonitor
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.coordination.link import (
+    COORDINATOR_PREFIX,
+    MONITOR_PREFIX,
+    CoordinatorLink,
+    coordinator_name,
+    monitor_name,
+    wait_for,
+)
 
 logger = logging.getLogger(__name__)
 
-MONITOR_PREFIX = "raytrain_guard:monitor:"
-MAX_INFLIGHT_SAMPLES = 8
-"""Samples a monitor lets go unanswered before it drops new ones (a slow coordinator). Not a
-user knob: 8 samples are 8 monitor intervals of slack, far beyond a healthy round trip."""
+MAX_QUEUED_SAMPLES = 8
+"""Samples a monitor's link holds while the coordinator is slow before it drops new ones: 8
+monitor intervals of slack, far beyond a healthy round trip."""
 
 ProbeFactory = Callable[[str], "tuple[Any, Any]"]
 """``probe_factory(node_id) -> (gpu_probe, host_probe)``; None in a slot builds the real probe.
 It is pickled to every monitor, so define it at module level (scripted probes are fine)."""
-
-__all__ = [
-    "COORDINATOR_PREFIX",
-    "MONITOR_PREFIX",
-    "CoordinatorSink",
-    "alive_node_ids",
-    "coordinator_name",
-    "monitor_name",
-    "register_worker_with_monitor",
-    "start_coordinator",
-    "start_monitors",
-    "stop_all",
-]
-
-
-def monitor_name(run_id: str, node_id: str) -> str:
-    """``raytrain_guard:monitor:<run id>:<node id>``."""
-    return f"{MONITOR_PREFIX}{run_id}:{node_id}"
-
 
 def alive_node_ids() -> list[str]:
     import ray
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
 
 
-class CoordinatorSink:
-    """Sends a monitor's samples to the run's coordinator, fire-and-forget, never raising.
-
-    The handle is looked up by name lazily (again at most every ``retry_after_s`` after a
-    failure, default ``GuardConfig.coordinator_retry_s``); at most ``MAX_INFLIGHT_SAMPLES``
-    calls stay unanswered, beyond that a sample is dropped and counted.
-    """
-
-    def __init__(self, namespace: str, run_id: str, *, retry_after_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.namespace, self.name = namespace, coordinator_name(run_id)
-        self.retry_after_s = (GuardConfig().coordinator_retry_s if retry_after_s is None
-                              else retry_after_s)
-        self._clock = clock
-        self._handle: Any = None
-        self._next_lookup = -float("inf")
-        self._inflight: list[Any] = []
-        self.num_sent = 0
-        self.num_dropped = 0
-
-    def __call__(self, sample: dict) -> None:
-        try:
-            self._collect()
-        except Exception:  # noqa: BLE001 - the coordinator died or restarts: look it up again
-            self._handle, self._inflight = None, []
-            self._next_lookup = self._clock() + self.retry_after_s
-        if self._handle is None:
-            if self._clock() < self._next_lookup:
-                self.num_dropped += 1
-                return
-            self._next_lookup = self._clock() + self.retry_after_s
-            import ray
-            try:
-                self._handle = ray.get_actor(self.name, namespace=self.namespace)
-            except ValueError:
-                self.num_dropped += 1
-                return
-        if len(self._inflight) >= MAX_INFLIGHT_SAMPLES:
-            self.num_dropped += 1
-            return
-        self._inflight.append(self._handle.report_node.remote(sample))
-        self.num_sent += 1
-
-    def _collect(self) -> None:
-        """The one method that touches ``ray.wait``/``ray.get``, with timeout 0: finished calls
-        are collected and their errors raised (a dead coordinator)."""
-        if not self._inflight:
-            return
-        import ray
-        done, self._inflight = ray.wait(self._inflight, num_returns=len(self._inflight),
-                                        timeout=0)
-        if done:
-            ray.get(done, timeout=0)
-
-
 class _MonitorActor(NodeMonitor):
-    """NodeMonitor with what only exists inside the actor: Ray metrics and the coordinator sink."""
+    """NodeMonitor with what only exists inside the actor: Ray metrics and the link."""
 
     def __init__(self, node_id: str, config: GuardConfig, namespace: str, run_id: str,
                  probe_factory: ProbeFactory | None) -> None:
@@ -130,11 +58,13 @@ class _MonitorActor(NodeMonitor):
         except Exception as exc:  # noqa: BLE001 - fail open: monitor without metrics
             logger.warning("[node %s] Ray metrics unavailable (%r)", node_id[:12], exc)
             metrics = None
+        link = CoordinatorLink(coordinator_name(run_id), namespace, max_queued=MAX_QUEUED_SAMPLES,
+                               retry_after_s=config.coordinator_retry_s,
+                               who=f"node {node_id[:12]}")
         super().__init__(node_id, config, gpu_probe=gpu_probe, host_probe=host_probe,
-                         sink=CoordinatorSink(namespace, run_id,
-                                              retry_after_s=config.coordinator_retry_s),
-                         metrics=metrics,
-                         autostart=True)
+                         sink=lambda sample: link.submit(
+                             lambda handle: wait_for([handle.report_node.remote(sample)])),
+                         metrics=metrics, autostart=True)
 
     def where(self) -> str:
         """The Ray node id this actor actually runs on (to check the affinity)."""
@@ -143,12 +73,10 @@ class _MonitorActor(NodeMonitor):
 
 
 class _CoordinatorActor(Coordinator):
-    """Coordinator with its Ray metrics created inside the actor, and what a driver, the train
-    workers and Ray Train's controller hand it besides step reports (the drop-in's channel,
+    """Coordinator with its Ray metrics created inside the actor, and what the train workers
+    and Ray Train's controller hand it besides step reports (the drop-in's channel,
     :mod:`raytrain_guard.train`):
 
-    * ``request_stop(reason) -> dict``: a ``checkpoint_and_stop`` decision for every rank (scope
-      ``cluster``), delivered like any other and applied in lockstep;
     * ``report_summary(world_rank, summary)`` / ``summaries() -> {rank: summary}``: each rank's
       end-of-run figures (the latest per rank);
     * ``record_train_event(event)`` / ``train_events() -> list``: reports and worker exceptions
@@ -166,18 +94,6 @@ class _CoordinatorActor(Coordinator):
         super().__init__(run_id, config, attempt=attempt, metrics=metrics)
         self._summaries: dict[int, dict] = {}
         self._train_events: list[dict] = []
-
-    def request_stop(self, reason: str) -> dict:
-        """A ``checkpoint_and_stop`` for every rank, applied at the next agreement step."""
-        from raytrain_guard.core.decisions import Action, Cause, Decision
-        self._next_id += 1
-        decision = Decision(Action.CHECKPOINT_AND_STOP, f"stop requested: {reason}",
-                            cause=Cause.UNKNOWN, scope="cluster", decision_id=self._next_id)
-        self._decisions.append(decision)
-        logger.warning("[run %s] decision #%d %s", self.run_id, decision.decision_id, decision)
-        if self._metrics is not None:
-            self._safe_metrics(lambda: self._metrics.record_decision(decision))
-        return decision.to_dict()
 
     def report_summary(self, world_rank: int, summary: dict) -> None:
         self._summaries[int(world_rank)] = dict(summary)
@@ -202,8 +118,9 @@ def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = Non
     keyed on Ray's node id, never on an IP-based node rank (nodes may share an IP); it has
     NodeMonitor's methods plus ``where()``.
 
-    With ``ready_timeout_s`` it waits for every monitor to answer a ping (a monitor that does
-    not is logged and still returned: monitoring fails open).
+    With ``ready_timeout_s`` it waits for every monitor to say where it runs, and warns of one
+    that does not answer or runs on another node (it is still returned: monitoring fails
+    open).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -218,11 +135,15 @@ def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = Non
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(node_id, config, namespace, run_id, probe_factory)
     if ready_timeout_s is not None and handles:
-        refs = {h.ping.remote(): n for n, h in handles.items()}
-        _ready, missing = ray.wait(list(refs), num_returns=len(refs), timeout=ready_timeout_s)
+        refs = {h.where.remote(): n for n, h in handles.items()}
+        ready, missing = ray.wait(list(refs), num_returns=len(refs), timeout=ready_timeout_s)
         for ref in missing:
             logger.warning("monitor on node %s did not answer within %.0f s", refs[ref],
                            ready_timeout_s)
+        for ref, where in zip(ready, ray.get(ready)):
+            if where != refs[ref]:
+                logger.warning("the monitor of node %s runs on node %s: its samples are that "
+                               "node's", refs[ref], where)
     return handles
 
 
@@ -261,20 +182,3 @@ def stop_all(namespace: str, run_id: str | None = None) -> list[str]:
         except ValueError:
             pass   # gone already
     return killed
-
-
-def register_worker_with_monitor(namespace: str, run_id: str, world_rank: int | None = None,
-                                 pid: int | None = None) -> bool:
-    """From a train worker: ask its run's monitor on this node to sample this process
-    (fire-and-forget). Returns False (and training goes on) when there is no such monitor.
-    """
-    import ray
-    node_id = ray.get_runtime_context().get_node_id()
-    try:
-        handle = ray.get_actor(monitor_name(run_id, node_id), namespace=namespace)
-        handle.register_worker.remote(os.getpid() if pid is None else pid, world_rank)
-        return True
-    except Exception as exc:  # noqa: BLE001 - fail open
-        logger.warning("rank %s: no monitor on node %s (%s); host memory of this worker is not "
-                       "sampled", world_rank, node_id[:12], exc)
-        return False

@@ -1,26 +1,16 @@
 """The guard's Grafana dashboard, generated from the metrics the package exports (pure).
 
-``raytrain-guard grafana-dashboard > raytrain_guard.json`` writes it; import it into the
-Grafana that Ray's metrics setup provisions (Dashboards > New > Import, or copy the file into
-the folder Ray's Grafana provisions from: the session's ``metrics/grafana/dashboards``,
-``/tmp/ray/session_latest/metrics/grafana/dashboards`` on the head by default). It uses the
-Prometheus data source Ray's setup creates (a ``datasource`` variable picks another).
+``raytrain-guard grafana-dashboard > raytrain_guard.json`` writes it, for the Grafana Ray's
+metrics setup provisions (import it, or copy it into the session's
+``metrics/grafana/dashboards``). Panels: per-rank step time, phases, data wait, memory against
+its lines, straggler scores and causes, decisions (also as annotations), hangs, DataLoader
+settings; node GPU memory, utilization, temperature and throttling (:data:`GPU_PANELS`, empty
+without a GPU), host and worker memory. Variables: ``run`` (``ray_train_run_name``, as Ray
+Train's own panels) and ``node``.
 
-Panels: per-rank step time and its phase breakdown, data wait, memory fraction against the
-watermark and critical lines, straggler scores and causes, decisions (a panel, and annotations
-on every time panel), hangs, DataLoader settings; node GPU memory, utilization, temperature and
-throttle reasons (:data:`GPU_PANELS`: empty on nodes without a GPU), host memory, train worker
-and DataLoader private memory. A ``run`` variable filters on ``ray_train_run_name``, the label
-Ray Train's own panels use, so the two dashboards join on it; ``node`` filters the node panels
-on ``node_id`` (its values come from a series every node monitor exports, GPU or not).
-
-Counters are counted with :func:`recent`, not ``increase``: Ray exports a counter only after its
-first increment, so its first sample already holds the first event, which ``increase`` and
-``changes`` never see (two decisions would read as about one).
-
-Every query names metrics through :func:`series`, which checks the name against
-:data:`raytrain_guard.cluster.metrics.EXPORTED`: a dashboard cannot name a metric the package
-does not export.
+Counters are read with :func:`recent`, not ``increase``: Ray exports a counter from its first
+increment on, so ``increase`` misses that first event. Every query names its metric through
+:func:`series`, which refuses a name the package does not export.
 """
 
 from __future__ import annotations
@@ -238,13 +228,3 @@ def dashboard() -> dict[str, Any]:
 def dashboard_json() -> str:
     return json.dumps(dashboard(), indent=2, sort_keys=False) + "\n"
 
-
-def queried_metrics(model: dict[str, Any]) -> set[str]:
-    """Every ``ray_raytrain_guard_*`` name a dashboard's queries (panels, annotations,
-    variables) mention (pure; what the tests hold to :data:`EXPORTED`)."""
-    import re
-
-    texts = [t["expr"] for p in model["panels"] for t in p.get("targets", ())]
-    texts += [a["expr"] for a in model["annotations"]["list"]]
-    texts += [v["definition"] for v in model["templating"]["list"] if "definition" in v]
-    return {m for text in texts for m in re.findall(r"\bray_raytrain_guard_\w+", text)}

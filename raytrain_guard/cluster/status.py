@@ -26,7 +26,7 @@ import socket
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
-from raytrain_guard.cluster.client import COORDINATOR_PREFIX
+from raytrain_guard.coordination.client import COORDINATOR_PREFIX
 from raytrain_guard.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -253,31 +253,17 @@ def read_status(address: str | None, namespace: str, run_id: str | None = None,
 
 # -- rendering ---------------------------------------------------------------------------------
 
-def _fmt(x: Any, spec: str = ".3f", unit: str = "") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return f"{x:{spec}}{unit}"
-    return str(x)
+def _fmt(x: Any, spec: str = ".3f") -> str:
+    return "-" if x is None else f"{x:{spec}}"
 
 
 def _pct(x: Any) -> str:
     return "-" if x is None else f"{100 * float(x):.0f}%"
 
 
-def _rows(block: Any) -> list[tuple[str, Mapping[str, Any]]]:
-    """A mapping ``{key: {...}}`` or a list of dicts, as ``(key, dict)`` rows."""
-    if isinstance(block, Mapping):
-        return [(str(k), v if isinstance(v, Mapping) else {"value": v}) for k, v in block.items()]
-    if isinstance(block, (list, tuple)):
-        return [(str(i), v if isinstance(v, Mapping) else {"value": v})
-                for i, v in enumerate(block)]
-    return []
-
-
 def format_status(status: Mapping[str, Any]) -> str:
-    """A human page of the coordinator's status. Debug counters (reports, rounds, the actor's
-    incarnation) and keys it does not know stay out of it: ``--json`` has everything."""
+    """A human page of the coordinator's status (``Coordinator.status()``). Debug counters
+    (reports, rounds, the actor's incarnation) stay out of it: ``--json`` has everything."""
     lines = [f"coordinator {status.get('coordinator', '?')}"
              + (f"  run {status['run_id']}" if status.get("run_id") else "")
              + (f"  latest step {status['latest_step']}"
@@ -285,43 +271,28 @@ def format_status(status: Mapping[str, Any]) -> str:
              + (f"  step p50 {_fmt(status.get('step_p50_s'))} s p99 "
                 f"{_fmt(status.get('step_p99_s'))} s"
                 if status.get("step_p50_s") is not None else "")]
-    nodes = _rows(status.get("nodes"))
+    nodes = status.get("nodes") or {}
     lines.append(f"\nnodes ({len(nodes)})")
-    for key, node in nodes:
-        gpus = node.get("gpus") or []
-        gpu_txt = " ".join(_pct(g.get("memory_frac")) for g in gpus if isinstance(g, Mapping))
-        host = node.get("host") if isinstance(node.get("host"), Mapping) else node
-        lines.append(f"  {node.get('node_id', key)[:16]:<16}  host mem "
-                     f"{_pct(host.get('memory_used_frac'))}"
+    for key, node in nodes.items():
+        gpu_txt = " ".join(_pct(g.get("memory_frac")) for g in node.get("gpus") or ())
+        lines.append(f"  {key[:16]:<16}  host mem "
+                     f"{_pct((node.get('host') or {}).get('memory_used_frac'))}"
                      + (f"  gpu mem {gpu_txt}" if gpu_txt else "")
                      + ("  THROTTLED" if node.get("throttled") else ""))
-    ranks = _rows(status.get("ranks"))
+    ranks = status.get("ranks") or {}
     lines.append(f"\nranks ({len(ranks)})")
     lines.append("  rank  node              step   p50 s    p99 s    memory  straggler")
-    for key, r in ranks:
-        score = r.get("straggler_score")
-        if isinstance(score, Mapping):
-            score = score.get("score")
-        lines.append(f"  {r.get('world_rank', key)!s:>4}  {str(r.get('node_id', '-'))[:16]:<16}"
+    for key, r in ranks.items():
+        lines.append(f"  {key!s:>4}  {str(r.get('node_id', '-'))[:16]:<16}"
                      f"  {_fmt(r.get('step'), 'd'):>5}  {_fmt(r.get('step_p50_s')):>7}  "
                      f"{_fmt(r.get('step_p99_s')):>7}  {_pct(r.get('memory_frac')):>6}  "
-                     f"{_fmt(score, '.2f')}")
-    stragglers = status.get("straggler_scores", status.get("stragglers"))
-    if stragglers and not any(isinstance(r, Mapping) and "straggler_score" in r
-                              for _, r in ranks):
-        lines.append("\nstraggler scores")
-        for key, s in _rows(stragglers):
-            lines.append(f"  {key}: " + ", ".join(f"{k}={_fmt(v, '.3f')}" for k, v in s.items()))
-    decisions = status.get("active_decisions", status.get("decisions")) or []
+                     f"{_fmt(r.get('straggler_score'), '.2f')}")
+    decisions = status.get("active_decisions") or []
     lines.append(f"\nactive decisions ({len(decisions)})")
-    for d in decisions:
-        if isinstance(d, Mapping):
-            lines.append(f"  #{d.get('decision_id', '?')} {d.get('action', '?')} at step "
-                         f"{d.get('step', '-')} [{d.get('scope', '-')}]: {d.get('reason', '')}")
-        else:
-            lines.append(f"  {d}")
-    lines += _user_notes(status)
-    return "\n".join(lines)
+    lines += [f"  #{d.get('decision_id', '?')} {d.get('action', '?')} at step "
+              f"{d.get('step', '-')} [{d.get('scope', '-')}]: {d.get('reason', '')}"
+              for d in decisions]
+    return "\n".join(lines + _user_notes(status))
 
 
 #: what each ignored-report counter means to a reader of the status page
@@ -334,21 +305,18 @@ _IGNORED_MEANING = {"stale": "from an earlier attempt of the run",
 def _user_notes(status: Mapping[str, Any]) -> list[str]:
     """The rest of the status that a user acts on, in words: a restarted worker group, the
     rank named for a hang, straggler nodes, the policy's notes, reports the coordinator
-    dropped. Counters and the actor's incarnation (for debugging the guard itself) are left
-    to ``--json``."""
+    dropped."""
     lines = []
     attempt = status.get("attempt")
     if isinstance(attempt, int) and attempt > 1:
         lines.append(f"attempt {attempt}: the worker group restarted {attempt - 1} time(s)")
-    for hang in status.get("hangs") or []:
-        if isinstance(hang, Mapping):
-            lines.append(f"hang in attempt {hang.get('attempt', '?')}: {hang.get('reason', '')}")
+    lines += [f"hang in attempt {h.get('attempt', '?')}: {h.get('reason', '')}"
+              for h in status.get("hangs") or ()]
     if status.get("straggler_nodes"):
         lines.append("straggler nodes: " + ", ".join(str(n) for n in status["straggler_nodes"]))
-    for note in status.get("notes") or []:
-        lines.append(f"note: {note}")
-    ignored = status.get("ignored")
-    if isinstance(ignored, Mapping) and any(ignored.values()):
+    lines += [f"note: {note}" for note in status.get("notes") or ()]
+    ignored = status.get("ignored") or {}
+    if any(ignored.values()):
         lines.append("ignored reports: " + ", ".join(
             f"{n} {k.replace('_', ' ')} ({_IGNORED_MEANING.get(k, k)})"
             for k, n in ignored.items() if n))

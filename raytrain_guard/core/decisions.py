@@ -37,9 +37,8 @@ class Cause(str, enum.Enum):
 
 
 CLUSTER_WIDE_ACTIONS = frozenset({Action.SHRINK_MICRO_BATCH})
-"""Actions every rank applies together or none does, so their scope is always ``"cluster"``: a
-shrink rebuilds each rank's loader and then agrees in one collective of all ranks (a decision
-for one node's ranks, or one rank's, would leave that collective waiting for the others)."""
+"""Actions every rank applies together (scope ``"cluster"``): a shrink's loaders agree in one
+collective of all ranks, which ranks left out would never join."""
 
 
 def scope_refusal(action: Action, scope: str) -> str | None:
@@ -54,20 +53,12 @@ def scope_refusal(action: Action, scope: str) -> str | None:
 
 @dataclass(frozen=True)
 class Decision:
-    """One action with its reason.
-
-    ``step`` is the step boundary at which every rank concerned applies it (``None``: the next
-    boundary of the rank that made it, for purely local decisions). ``scope`` is ``"rank"``,
-    ``"node:<node id>"`` or ``"cluster"``; a shrink is always ``"cluster"`` (any other scope
-    raises an InputError when the decision is made: :func:`scope_refusal`).
-
-    ``predicted``: what the policy expected of the action before deciding it
-    (``core.effects.Effect.to_dict()``: ``memory_frac_before``, ``memory_frac_after``,
-    ``delta_frac``, ``cost_frac``, ``basis``), None when it was not priced. ``measured``: what
-    the coordinator measured over the window after the apply step (``core.effects.Measured.
-    to_dict()``, with ``verdict``: ``hit``, ``miss``, or ``not_judged`` when there was no
-    prediction to hold it to), None until then.
-    """
+    """One action with its reason. ``step``: the boundary every rank concerned applies it at
+    (None: the next one of the rank that made it). ``scope``: ``"rank"``, ``"node:<id>"`` or
+    ``"cluster"`` (a shrink's only: :func:`scope_refusal`, an InputError otherwise).
+    ``predicted``: ``core.effects.Effect.to_dict()`` (None: unpriced); ``measured``:
+    ``core.effects.Measured.to_dict()`` with its ``verdict`` (hit, miss, not_judged), once
+    the coordinator measured it."""
 
     action: Action
     reason: str

@@ -1,7 +1,7 @@
 """What an action will do, priced before, and what it did, measured after (pure).
 
 Every candidate memory action of the coordinator's policy is priced with the planner's own
-memory model (:func:`raytrain_guard.core.memory_model.estimate`) on the run's plan
+memory model (:func:`raytrain_guard.planner.memory_model.estimate`) on the run's plan
 (:class:`RunPlan`) as an :class:`Effect`: the memory fraction predicted after it (a delta on the
 current reading, so a constant error of the model cancels) and the throughput it costs. After
 it applies, :func:`measure` and :func:`judge` say whether it did at least
@@ -16,33 +16,27 @@ import enum
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.core.columns import StepColumns
 from raytrain_guard.core.decisions import Action
-from raytrain_guard.core.memory_model import (  # GradSync: re-exported, its old home
+from raytrain_guard.planner.memory_model import (
     PARAM_BYTES,
     GradSync,
     Strategy,
     TrainingSetup,
     estimate,
 )
-from raytrain_guard.core.model_stats import ActivationProfile, ModelStats
-from raytrain_guard.core.steps import StepStats
+from raytrain_guard.planner.model_stats import ActivationProfile, ModelStats
 
 SHRINK_COST_FRAC = 0.10
-"""Throughput lost by halving the micro-batch (same samples in twice the micro-steps):
-assumed 10 %, the order of the per-micro-step overhead (launches, Python, smaller kernels) on a
-micro-batch small enough to be shrunk under memory pressure. The coordinator measures the real
-figure (step time before and after) and stores it with the decision."""
+"""Throughput lost by halving the micro-batch: assumed 10 %, the order of the per-micro-step
+overhead (launches, Python, smaller kernels); the coordinator measures the real figure."""
 
 RELEASE_COST_FRAC = 0.0
-"""A cache release costs one device synchronization on every rank once, and no lasting
-throughput (the allocator re-reserves what the step needs)."""
-
-STOP_COST_FRAC = 1.0
-"""Checkpoint-and-stop ends the run's throughput until someone restarts it."""
+"""A cache release costs one device synchronization once, no lasting throughput."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +223,6 @@ class Measured:
     data_wait_s_after: float
     num_steps_before: int
     num_steps_after: int
-    basis: dict[str, Any] = field(default_factory=dict)
 
     @property
     def delta_frac(self) -> float | None:
@@ -251,31 +244,29 @@ class Measured:
                 "data_wait_s_before": r(self.data_wait_s_before),
                 "data_wait_s_after": r(self.data_wait_s_after),
                 "num_steps_before": self.num_steps_before,
-                "num_steps_after": self.num_steps_after, **self.basis}
+                "num_steps_after": self.num_steps_after}
 
 
-def measure(before: Mapping[int, Sequence[StepStats]],
-            after: Mapping[int, Sequence[StepStats]],
+def measure(before: Mapping[int, StepColumns], after: Mapping[int, StepColumns],
             host_frac: tuple[float | None, float | None] = (None, None)) -> Measured | None:
     """Before/after medians from each rank's steps (``before``: up to the apply step,
     ``after``: from it on). Memory is the worst rank's median reading, or ``host_frac``
     (before, after) for a host action. None when either side has no step."""
-    b = [s for w in before.values() for s in w]
-    a = [s for w in after.values() for s in w]
-    if not b or not a:
+    if not any(len(c) for c in before.values()) or not any(len(c) for c in after.values()):
         return None
 
-    def worst(windows: Mapping[int, Sequence[StepStats]]) -> float | None:
-        meds = [statistics.median(x) for x in ([s.memory_frac for s in w
-                                                if s.memory_frac is not None]
-                                               for w in windows.values()) if x]
+    def worst(windows: Mapping[int, StepColumns]) -> float | None:
+        meds = [statistics.median(m for _, m in x) for x in
+                (c.memory_readings() for c in windows.values()) if x]
         return max(meds) if meds else None
 
+    def median(windows: Mapping[int, StepColumns], column: str) -> float:
+        return statistics.median(v for c in windows.values() for v in getattr(c, column))
+
     mem_b, mem_a = (worst(before), worst(after)) if host_frac == (None, None) else host_frac
-    return Measured(mem_b, mem_a, statistics.median(s.total_s for s in b),
-                    statistics.median(s.total_s for s in a),
-                    statistics.median(s.data_wait_s for s in b),
-                    statistics.median(s.data_wait_s for s in a), len(b), len(a))
+    return Measured(mem_b, mem_a, median(before, "total"), median(after, "total"),
+                    median(before, "data"), median(after, "data"),
+                    sum(len(c) for c in before.values()), sum(len(c) for c in after.values()))
 
 
 class Verdict(str, enum.Enum):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_guard.core.policy import short_node_id
+from raytrain_guard.core.view import short_node_id
 from raytrain_guard.errors import check_int
 
 #: a step's phases in order, as the train loop tells the watchdog: a rank that stopped in an
@@ -26,24 +26,20 @@ PHASE_ORDER = {"data": 0, "forward": 1, "backward": 2, "optimizer": 3}
 WAITING_PHASES = frozenset({"backward", "optimizer"})
 
 SETTLE_S = 5.0
-"""Seconds after the first record until a silent rank counts as silent: every rank's watchdog
-checks every 0.5 s and their steps began together under one limit, so they fire within about
-0.5 s of each other; each then sends within its 1.5 s bound before its process ends. 5 s
-covers both with room for a loaded coordinator."""
+"""Seconds after the first record until a silent rank counts as silent: the watchdogs fire
+within about 0.5 s of each other and each sends within 1.5 s; 5 s leaves room for a loaded
+coordinator."""
 
 TIE_S = 0.05
-"""Last-progress times closer than this are a tie: two ranks entering a phase together are
-milliseconds apart, and two nodes' wall clocks are rarely closer than that (NTP)."""
+"""Last-progress times closer than this are a tie (two nodes' clocks, NTP, are rarely
+closer)."""
 
 
 @dataclass(frozen=True)
 class HangRecord:
-    """One rank's watchdog record, as it reaches the coordinator.
-
-    ``in_collective``: the rank's training thread was inside ``torch.distributed`` when the
-    watchdog fired (None: not sampled). ``where``: its innermost frame, ``file:line function``.
-    ``world_size``: the ranks of the attempt, when the rank knew it.
-    """
+    """One rank's watchdog record. ``in_collective``: its training thread was inside
+    ``torch.distributed`` (None: not sampled); ``where``: its innermost frame; ``world_size``:
+    the attempt's ranks, when known."""
 
     world_rank: int
     step: int
@@ -97,12 +93,9 @@ class HangRecord:
 
 @dataclass(frozen=True)
 class HungRank:
-    """The coordinator's verdict on one attempt's hang.
-
-    ``world_rank`` None: no single rank can be named (``suspects`` lists the candidates).
-    ``basis``: the rule that decided (``silent``, ``not_in_collective``, ``earliest_step``,
-    ``earliest_phase``, ``earliest_progress``, ``only_report``, ``tie``).
-    """
+    """The verdict on one attempt's hang; ``world_rank`` None: no single rank can be named
+    (``suspects``). ``basis``: the rule that decided (``silent``, ``not_in_collective``,
+    ``earliest_step``, ``earliest_phase``, ``earliest_progress``, ``only_report``, ``tie``)."""
 
     world_rank: int | None
     node_id: str | None

@@ -1,9 +1,7 @@
-"""What a node monitor measured at one moment: GPUs, host, train workers (pure).
-
-The node monitor (``raytrain_guard.cluster.monitor``) fills these values from its probes and
-sends them to the coordinator as plain dicts (:meth:`NodeSample.to_dict`); the coordinator
-rebuilds them with :meth:`NodeSample.from_dict`, which raises ``ValueError`` (or ``KeyError`` /
-``TypeError``) on a malformed report so the coordinator can count and ignore it.
+"""What a node monitor measured at one moment: GPUs, host, train workers (pure); and the batch
+layout a rank reports (:class:`RunSetup`). They travel as dicts; ``from_dict`` raises
+``ValueError`` (or ``KeyError``/``TypeError``) on a malformed one, which the coordinator counts
+and ignores.
 """
 
 from __future__ import annotations

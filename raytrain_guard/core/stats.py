@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def slope(points: Sequence[tuple[float, float]]) -> float:

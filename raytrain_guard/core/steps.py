@@ -11,19 +11,11 @@ from typing import Any
 class StepStats:
     """What one rank measured for one training step (seconds and fractions).
 
-    ``comm_wait_s`` is the time the step waited for gradient communication beyond compute:
-    under DDP a rank that is slow in compute waits *least* here, so a straggler shows as the
-    rank with the smallest communication wait while the others wait for it.
-
-    ``cpu_wait_s`` is the time the training thread waited for a CPU during the step (runnable,
-    not running: the host's contention, not the rank's slowness); None where not measured.
-    ``peer_cpu_wait_s``: the most another rank of this node waited for a CPU over the same
-    step (its contention makes this rank wait in the collective); None where not measured.
-    ``idle_before_s``: the loop's time between the previous step's close and this step's
-    start (a checkpoint, an evaluation); None when the step started where the last ended.
-    ``peer_work_s``: the most another rank of this node spent on its own work in the same step
-    (its step time less its communication wait; a rank that works longer makes the others
-    wait for it in the collective); None where not measured.
+    ``comm_wait_s``: the wait for gradient communication beyond compute (under DDP a straggler
+    waits least). ``idle_before_s``: the loop's time between the previous step's close and
+    this step's start (None: it started where the last ended). ``peer_work_s``: the most work
+    (time less communication wait) another rank of this node did in the step (None: not
+    measured). Their meaning in full: docs/train_loop.md ("Step timings").
     """
 
     step: int
@@ -35,26 +27,21 @@ class StepStats:
     optimizer_s: float = 0.0
     memory_frac: float | None = None    # device (or CPU budget) memory fraction after the step
     world_rank: int = 0
-    cpu_wait_s: float | None = None
-    peer_cpu_wait_s: float | None = None
     idle_before_s: float | None = None
     peer_work_s: float | None = None
 
     def __init__(self, step: int, total_s: float, data_wait_s: float = 0.0,
                  forward_s: float = 0.0, backward_s: float = 0.0, comm_wait_s: float = 0.0,
                  optimizer_s: float = 0.0, memory_frac: float | None = None,
-                 world_rank: int = 0, cpu_wait_s: float | None = None,
-                 peer_cpu_wait_s: float | None = None,
-                 idle_before_s: float | None = None,
+                 world_rank: int = 0, idle_before_s: float | None = None,
                  peer_work_s: float | None = None) -> None:
         # The fields above, in their order, with their defaults (a test holds the two lists
-        # together). One dict update instead of the frozen dataclass's thirteen object.__setattr__
+        # together). One dict update instead of the frozen dataclass's eleven object.__setattr__
         # calls: one StepStats is built per training step, and this halves its cost.
         self.__dict__.update(step=step, total_s=total_s, data_wait_s=data_wait_s,
                              forward_s=forward_s, backward_s=backward_s,
                              comm_wait_s=comm_wait_s, optimizer_s=optimizer_s,
                              memory_frac=memory_frac, world_rank=world_rank,
-                             cpu_wait_s=cpu_wait_s, peer_cpu_wait_s=peer_cpu_wait_s,
                              idle_before_s=idle_before_s, peer_work_s=peer_work_s)
 
     @property

@@ -10,10 +10,9 @@ with two ranks it is the faster one, and with many ranks it is a typical healthy
 as fewer than half are slow. Communication is attributed only when no rank is slow in data or
 compute: otherwise a high communication wait is the symptom of waiting for the straggler.
 
-This is the one straggler rule: the coordinator summarizes each rank's window once per report
-(:func:`summarize`) and scores the summaries in O(ranks) (:func:`score_summaries`); the train
-loop's end-of-run attribution (``core.gate.attribute_across_ranks``) names its stragglers
-with the same scores, adding only who waits on them.
+The coordinator summarizes each rank's window once per report (:func:`summarize_columns`) and
+scores the summaries in O(ranks) (:func:`score_summaries`); the train loop's end-of-run
+attribution (``core.gate.attribute_across_ranks``) uses the same scores.
 
 Worked example (4 ranks, every step 1.0 s, medians over each rank's window)::
 
@@ -30,14 +29,16 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import sub
 
+from raytrain_guard.core.columns import StepColumns
 from raytrain_guard.core.decisions import Cause
-from raytrain_guard.core.excuses import cpu_waited_s, usual_cpu_waits
-from raytrain_guard.core.stats import nearest_rank, robust_sigma
+from raytrain_guard.core.stats import MAD_TO_SIGMA, nearest_rank
 from raytrain_guard.core.steps import StepStats
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StragglerScore:
     """How much of a median step one rank adds over the reference rank, and in what."""
 
@@ -57,7 +58,7 @@ class StragglerScore:
                 "step_s": self.step_s, "num_steps": self.num_steps}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TimingSummary:
     """Medians of one rank's window: what the scores compare across ranks."""
 
@@ -74,35 +75,40 @@ class TimingSummary:
 
 
 def summarize(window: Sequence[StepStats]) -> TimingSummary:
-    """Medians and robust spreads over a window (the coordinator does this once per report,
-    not per round)."""
-    if not window:
+    """Medians and robust spreads over a window of StepStats."""
+    return summarize_columns(StepColumns.of(window))
+
+
+def summarize_columns(c: StepColumns) -> TimingSummary:
+    """Medians and robust spreads over a window's columns (about 17 us for 50 steps)."""
+    if not c.total:
         return TimingSummary(0.0, 0.0, 0.0, 0.0, 0)
-    totals = sorted(s.total_s for s in window)
-    data = [s.data_wait_s for s in window]
-    compute = [s.forward_s + s.backward_s + s.optimizer_s for s in window]
-    comm = [s.comm_wait_s for s in window]
-    m_data, m_compute, m_comm = (statistics.median(data), statistics.median(compute),
-                                 statistics.median(comm))
-    return TimingSummary(m_data, m_compute, m_comm, statistics.median(totals), len(totals),
-                         nearest_rank(totals, 0.99), robust_sigma(data, m_data),
-                         robust_sigma(compute, m_compute), robust_sigma(comm, m_comm))
+    totals = sorted(c.total)
+    (m_data, s_data), (m_compute, s_compute), (m_comm, s_comm) = \
+        _median_sigma(c.data), _median_sigma(c.compute), _median_sigma(c.comm)
+    return TimingSummary(m_data, m_compute, m_comm, _median_of_sorted(totals), len(totals),
+                         nearest_rank(totals, 0.99), s_data, s_compute, s_comm)
 
 
-def score_ranks(windows: Mapping[int, Sequence[StepStats]], *, min_steps: int = 3,
-                noise_frac: float = 0.05) -> dict[int, StragglerScore]:
-    """Score every rank with at least ``min_steps`` statistics in its window.
+def _median_of_sorted(xs: Sequence[float]) -> float:
+    """``statistics.median`` of values already sorted."""
+    half = len(xs) // 2
+    return xs[half] if len(xs) % 2 else (xs[half - 1] + xs[half]) / 2
 
-    ``noise_frac`` is the excess below which data/compute differences are treated as jitter
-    when deciding whether communication may be blamed. Needs two ranks or more; fewer gives {}.
-    """
-    return score_summaries({r: summarize(w) for r, w in windows.items()}, min_steps=min_steps,
-                           noise_frac=noise_frac)
+
+def _median_sigma(values: Sequence[float]) -> tuple[float, float]:
+    """(median, 1.4826 x median absolute deviation) (``core.stats.robust_sigma``)."""
+    m = _median_of_sorted(sorted(values))
+    return m, MAD_TO_SIGMA * _median_of_sorted(sorted(map(abs, map(sub, values, repeat(m)))))
 
 
 def score_summaries(summaries: Mapping[int, TimingSummary], *, min_steps: int = 3,
                     noise_frac: float = 0.05) -> dict[int, StragglerScore]:
-    """:func:`score_ranks` on precomputed window medians (O(ranks) per round)."""
+    """Score every rank with at least ``min_steps`` steps in its window (O(ranks)).
+
+    ``noise_frac`` is the excess below which data/compute differences are treated as jitter
+    when deciding whether communication may be blamed. Needs two ranks or more; fewer gives {}.
+    """
     medians = {r: s for r, s in summaries.items() if s.num_steps >= min_steps}
     if len(medians) < 2:
         return {}
@@ -138,30 +144,24 @@ def score_summaries(summaries: Mapping[int, TimingSummary], *, min_steps: int = 
 
 # -- persistent slowdowns, step by step ------------------------------------------------------
 
-_COMPONENTS = (("data", Cause.DATA, lambda s: s.data_wait_s, "data_sigma_s"),
-               ("compute", Cause.COMPUTE, lambda s: s.compute_s, "compute_sigma_s"),
-               ("communication", Cause.COMMUNICATION, lambda s: s.comm_wait_s, "comm_sigma_s"))
+_COMPONENTS = (("data", Cause.DATA, "data_sigma_s"),
+               ("compute", Cause.COMPUTE, "compute_sigma_s"),
+               ("comm", Cause.COMMUNICATION, "comm_sigma_s"))
 
 
 MISS_SHARE = 0.1
-"""Share of a run of slow steps that may miss the threshold (rounded down): 2 of the
-coordinator's 20 straggler steps. In a 4-rank series with outliers on 3 % of every rank's
-steps, another rank's outlier shortens a slow link's excess below the line at one step in a
-few dozen, and broke a strict run of 20 in 2 of 15 seeded cases (tests/test_noise.py)."""
+"""Share of a run of slow steps that may miss the threshold (rounded down): 2 of 20. Another
+rank's outlier shortens a slow link's excess below the line at one step in a few dozen
+(tests/test_noise.py)."""
 
 
 @dataclass(frozen=True)
 class Slowdown:
-    """A rank slower than the reference rank at the last ``steps`` common steps, all but at
-    most ``MISS_SHARE`` of them (``num_over`` cleared the threshold).
-
-    ``excess_s`` is the smallest excess of the slow component over the per-step reference
-    (the lower median across ranks at the same step) over the steps that cleared it:
-    persistence, since each of them exceeds it. ``threshold_s`` is what it had to clear: the
-    largest of ``straggler_frac`` x the median step, the absolute floor, and ``mad_k`` x
-    sqrt(2) x the typical rank's robust spread of that component (an excess is the difference
-    of two noisy figures).
-    """
+    """A rank slower than the reference rank at ``steps``, all but ``MISS_SHARE`` of them
+    (``num_over`` cleared the threshold). ``excess_s``: the smallest excess over the per-step
+    reference (the lower median across ranks) among those that cleared it. ``threshold_s``:
+    the largest of ``straggler_frac`` x the median step, the floor, and ``mad_k`` x sqrt(2) x
+    the typical rank's robust spread (an excess is the difference of two noisy figures)."""
 
     world_rank: int
     cause: Cause
@@ -177,110 +177,87 @@ class Slowdown:
     def excess_frac(self) -> float:
         return self.excess_s / self.step_s if self.step_s > 0 else 0.0
 
-    def to_dict(self) -> dict:
-        return {"world_rank": self.world_rank, "cause": self.cause.value,
-                "excess_s": round(self.excess_s, 6), "threshold_s": round(self.threshold_s, 6),
-                "component_s": round(self.component_s, 6),
-                "reference_s": round(self.reference_s, 6), "step_s": round(self.step_s, 6),
-                "steps": list(self.steps), "num_over": self.num_over}
 
-
-def persistent_slowdowns(windows: Mapping[int, Sequence[StepStats]],
+def persistent_slowdowns(columns: Mapping[int, StepColumns],
                          summaries: Mapping[int, TimingSummary], *, num_steps: int = 3,
                          straggler_frac: float = 0.10, floor_s: float = 0.002,
-                         mad_k: float = 3.5, scan_steps: int | None = None,
-                         host_wait_frac: float = 0.0, host_settle_steps: int = 0,
-                         host_settle_factor: float = 1.5) -> dict[int, Slowdown]:
+                         mad_k: float = 3.5, scan_steps: int | None = None
+                         ) -> dict[int, Slowdown]:
     """The ranks slow in data or compute (or, when none is, communication) over ``num_steps``
-    consecutive steps (at each of them but ``MISS_SHARE``, rounded down; the first and the last
-    slow), among the last ``scan_steps`` steps (default ``num_steps``; the coordinator scans
-    max(``report_every_steps``, ``straggler_steps``)) that every rank has reported, against the per-step reference. The
-    latest such run counts.
-
-    Step by step, not window medians: a slowdown is named ``num_steps`` steps after it starts
-    (once reported), and a step the whole group pays (a loaded shared box, a slow batch for
-    every rank) raises the reference with it, so nobody is blamed for it. Needs two ranks or
-    more with ``num_steps`` common steps; fewer gives {}.
-
-    With ``host_wait_frac`` > 0, a rank's step whose excess the host's contention explains
-    does not count and ends a run, as in the step gate (``slow_step_host_wait_frac``,
-    ``slow_step_host_settle_steps``): the rank's wait for a CPU (``cpu_wait_s``, and for
-    communication the node peer's, ``peer_cpu_wait_s``, each over its usual one in the window)
-    at least that fraction of the excess, and the ``host_settle_steps`` steps after such a
-    step that are no slower than ``host_settle_factor`` x its time.
+    consecutive steps (all but ``MISS_SHARE``; the first and the last slow) among the last
+    ``scan_steps`` steps every rank reported, against the per-step reference; the latest run
+    counts. Step by step, not window medians: a step the whole group pays raises the
+    reference with it, so nobody is blamed for it. Needs two ranks with ``num_steps`` common
+    steps; fewer gives {}.
 
     Example (2 ranks, compute in ms at steps 8-10: rank 0 [3.0, 3.2, 2.9], rank 1 [7.5, 8.0,
     7.4]; median step 4 ms, spreads 0.2 ms): reference (median_low) [3.0, 3.2, 2.9]; rank 1's
     excess [4.5, 4.8, 4.5] -> 4.5 ms >= max(0.1 x 4, 2, 3.5 x 1.414 x 0.2 = 0.99) ms: COMPUTE.
     """
-    ranks = [r for r, w in windows.items() if w and r in summaries]
+    ranks = [r for r, c in columns.items() if c.steps and r in summaries]
     if len(ranks) < 2 or num_steps < 1:
         return {}
     scan = max(num_steps, scan_steps or num_steps)
-    last = min(windows[r][-1].step for r in ranks)
-    aligned: dict[int, dict[int, StepStats]] = {}
-    for r in ranks:
-        found: dict[int, StepStats] = {}
-        for s in reversed(windows[r]):
-            if s.step <= last:
-                found[s.step] = s
-                if len(found) >= scan:
-                    break
-        aligned[r] = found
-    common = set.intersection(*(set(a) for a in aligned.values()))
-    steps = sorted(common)[-scan:]
+    steps, at = _common_steps({r: columns[r].steps for r in ranks}, scan)
     if len(steps) < num_steps:
         return {}
     step_s = statistics.median([summaries[r].total_s for r in ranks])
     if step_s <= 0:
         return {}
-    found_slow: dict[int, Slowdown] = {}
-    for name, cause, get, sigma_field in _COMPONENTS:
-        if cause is Cause.COMMUNICATION and found_slow:
+    found: dict[int, Slowdown] = {}
+    for name, cause, sigma_field in _COMPONENTS:
+        if cause is Cause.COMMUNICATION and found:
             break     # communication waits are the symptom of the stragglers found
         sigma = statistics.median_low([getattr(summaries[r], sigma_field) for r in ranks])
         threshold = max(straggler_frac * step_s, floor_s, mad_k * math.sqrt(2) * sigma)
-        by_rank = {r: [get(aligned[r][st]) for st in steps] for r in ranks}
+        by_rank = {r: at(r, getattr(columns[r], name)) for r in ranks}
         refs = [statistics.median_low(at_step) for at_step in zip(*by_rank.values())]
         for r, values in by_rank.items():
-            excess = [v - ref for v, ref in zip(values, refs)]
+            excess = list(map(sub, values, refs))
+            if max(excess) < threshold:       # the common case: no step over the line
+                continue
             run = _latest_run(excess, threshold, num_steps)
-            if run is not None and host_wait_frac > 0:
-                # only a run can be excused (most ranks have none: 1,024 ranks, one round)
-                explained = _host_explained(
-                    [aligned[r][st] for st in steps], excess, windows[r], host_wait_frac,
-                    host_settle_steps, host_settle_factor, cause is Cause.COMMUNICATION)
-                excess = [0.0 if e else x for x, e in zip(excess, explained)]
-                run = _latest_run(excess, threshold, num_steps)
             if run is None:
                 continue
-            over = [v - ref for v, ref, e in zip(values[run], refs[run], excess[run])
-                    if e >= threshold]
-            if r not in found_slow or (min(over) / threshold > found_slow[r].excess_s
-                                       / found_slow[r].threshold_s):
-                found_slow[r] = Slowdown(r, cause, min(over), threshold,
-                                         statistics.median(values[run]),
-                                         statistics.median(refs[run]), step_s,
-                                         tuple(steps[run]), len(over))
-    return found_slow
+            over = [e for e in excess[run] if e >= threshold]
+            if r not in found or (min(over) / threshold > found[r].excess_s
+                                  / found[r].threshold_s):
+                found[r] = Slowdown(r, cause, min(over), threshold,
+                                    statistics.median(values[run]),
+                                    statistics.median(refs[run]), step_s,
+                                    tuple(steps[run]), len(over))
+    return found
 
 
-def _host_explained(stats: Sequence[StepStats], excess: Sequence[float],
-                    window: Sequence[StepStats], frac: float, settle_steps: int,
-                    settle_factor: float, with_peer: bool) -> list[bool]:
-    """Per step of ``stats`` (consecutive, with their ``excess`` in one component), whether the
-    host's contention explains it: the step gate's host-wait rule and its aftermath
-    (``core.excuses``), here over one rank's steps as the coordinator has them."""
-    usual = usual_cpu_waits(window)
-    out = []
-    until, starved_total_s = -1, 0.0
-    for i, (s, e) in enumerate(zip(stats, excess)):
-        if e > 0 and cpu_waited_s(s, usual, with_peer) >= frac * e:
-            until, starved_total_s = i + settle_steps, s.total_s
-            out.append(True)
-        else:
-            out.append(i <= until and s.total_s <= settle_factor * starved_total_s)
-    return out
+def _common_steps(steps_of: Mapping[int, Sequence[int]], scan: int):
+    """The steps every rank reported among each one's latest ``scan`` up to the rank behind,
+    and ``at(rank, column)``: that column's values there. Where every rank's steps there are
+    consecutive (the rule), by index and slices; otherwise by step number."""
+    last = min(s[-1] for s in steps_of.values())
+    spans = {}
+    for r, s in steps_of.items():
+        end = len(s) - 1 - (s[-1] - last)      # where ``last`` is, if the tail is consecutive
+        start = max(0, end - scan + 1)
+        if end < 0 or s[end] != last or s[end] - s[start] != end - start:
+            return _common_steps_by_number(steps_of, scan, last)
+        spans[r] = (start, end + 1)
+    n = min(stop - start for start, stop in spans.values())
+    return (list(range(last - n + 1, last + 1)),
+            lambda r, column: column[spans[r][1] - n:spans[r][1]])
+
+
+def _common_steps_by_number(steps_of: Mapping[int, Sequence[int]], scan: int, last: int):
+    index: dict[int, dict[int, int]] = {}
+    for r, s in steps_of.items():
+        found: dict[int, int] = {}
+        for i in range(len(s) - 1, -1, -1):
+            if s[i] <= last:
+                found[s[i]] = i
+                if len(found) >= scan:
+                    break
+        index[r] = found
+    steps = sorted(set.intersection(*(set(f) for f in index.values())))[-scan:]
+    return steps, lambda r, column: [column[index[r][st]] for st in steps]
 
 
 def _latest_run(excess: Sequence[float], threshold: float, num_steps: int) -> slice | None:

@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_guard.core.faults import FaultSpec
 from raytrain_guard.errors import GuardError
 from raytrain_guard.experiment.audit import AuditResult, audit_arm, lineage, lost_steps
+from raytrain_guard.experiment.faults import FaultSpec
 
 __all__ = ["ArmTracesError", "AuditResult", "Lateness", "analyze_arm", "can_name",
            "fault_last_step", "fault_outcomes", "lineage", "lost_steps", "match_detections", "read_jsonl",

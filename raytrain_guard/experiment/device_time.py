@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raytrain_guard.runtime.batches import iter_tensors
+from raytrain_guard.planner.batches import iter_tensors
 
 #: backward takes about twice the forward's time (two matmuls per forward matmul)
 BACKWARD_SHARE = 2 / 3

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.faults import FaultSpec
-from raytrain_guard.errors import InputError
+from raytrain_guard.errors import InputError, one_line
 from raytrain_guard.experiment import analysis
+from raytrain_guard.experiment.faults import FaultSpec
+from raytrain_guard.runtime.loop.config import REHEARSAL
 from raytrain_guard.units import MiB
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any
         **setup.factories, "micro_batch": setup.micro_batch, "grad_accum": setup.grad_accum,
         "epochs": setup.epochs, "seed": setup.seed, "strategy": setup.strategy,
         "checkpoint_every_steps": setup.checkpoint_every_steps, "measure_bandwidth": False,
-        "num_workers": 0, "act": act, "restart_after_stop": act,
+        "num_workers": 0, "act": act, "restart_after_stop": act, "rehearsal": REHEARSAL,
         "device_memory_bytes": setup.card_bytes(),
         "trace_dir": os.path.join(arm_dir, "trace"), "audit_dir": os.path.join(arm_dir, "audit"),
         "faults": {"inject": [f.to_dict() for f in setup.faults],
@@ -157,7 +158,7 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
             storage_path=storage, max_failures=setup.max_failures,
             collective_timeout_s=setup.collective_timeout_s)
     except Exception as exc:  # noqa: BLE001 - an arm that fails is a result, not an error
-        error = _one_line(exc)
+        error = one_line(exc)
         logger.info("arm %s failed: %s", arm, error)
     finally:
         shutil.rmtree(storage, ignore_errors=True)
@@ -236,7 +237,7 @@ def _epoch_order(setup: ExperimentSetup) -> Callable[[int], list[int]] | None:
     if not setup.built_in:
         return None
     from raytrain_guard.experiment.model import NUM_SAMPLES
-    from raytrain_guard.runtime.sampler import ResumableDistributedSampler
+    from raytrain_guard.runtime.data.sampler import ResumableDistributedSampler
 
     # the loop's loader: shuffle=True, seed=the loop's seed, drop_last=False
     sampler = ResumableDistributedSampler(range(NUM_SAMPLES), num_replicas=1, rank=0,
@@ -292,8 +293,3 @@ def machine_line() -> str:
     import torch
     return (f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
             f"torch {torch.__version__}, ray {ray.__version__}")
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}"

@@ -1,6 +1,7 @@
-"""Adapters that run inside every training worker (torch, psutil and ray live here).
+"""What runs inside every training worker: torch, psutil and Ray's worker APIs live here.
 
-Import-light on purpose: this package imports nothing itself. Import the module you need,
-e.g. ``from raytrain_guard.runtime.loader import GuardedDataLoader``; importing
-``raytrain_guard.runtime`` alone pulls in neither torch nor ray.
+``data`` (the guarded DataLoader), ``guard`` (step timing, memory probes, the gate fed in
+batches, the watchdog), ``dist`` (planned DDP / FSDP2, sharded checkpoints, bandwidth) are the
+parts; ``loop`` (the shared train loop) and ``dropin`` (the drop-in's worker side) build on
+them. Import-light: importing ``raytrain_guard.runtime`` alone pulls in neither torch nor ray.
 """

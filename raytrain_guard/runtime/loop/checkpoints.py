@@ -1,20 +1,27 @@
-"""Checkpoints, resume and the final results of the shared train loop."""
+"""Checkpoints of the shared train loop: each rank writes its shard, and a resume on any world
+size reads the parts it holds now; they and the results are reported through Ray Train, or to a
+directory."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
+import os
+import re
+import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from raytrain_guard.core.decisions import Action
-from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import GuardError
-from raytrain_guard.runtime.loop.decisions import _OTHER_RANK_STOP
+from raytrain_guard.runtime.dist.checkpoint import (
+    META_FILE,
+    is_complete,
+    load_sharded,
+    save_sharded,
+)
 
-logger = logging.getLogger("raytrain_guard.runtime.train_loop")
-
+logger = logging.getLogger(__name__)
 
 
 class RestartRequested(GuardError):
@@ -22,116 +29,139 @@ class RestartRequested(GuardError):
     written, and Ray's FailureConfig restarts the group from it in fresh processes."""
 
 
-class CheckpointsMixin:
-    """Sharded checkpoints every ``checkpoint_every_steps`` (each rank its part), a resume on any
-    world size, and the run's results with the last checkpoint."""
+class Checkpointer:
+    """Sharded checkpoints of ``model`` (a :class:`~raytrain_guard.runtime.loop.model.
+    WrappedModel`) with the loader's position, the guard's state and the batch ``layout``,
+    reported through ``reporter`` (Ray Train merges the ranks' directories of one report into
+    one checkpoint; no rank gathers the whole model)."""
 
-    def _resume(self) -> None:
-        from raytrain_guard.runtime.checkpoint import load_sharded
+    def __init__(self, reporter: Any, *, model: Any, layout: Any, guard: Any,
+                 world_rank: int) -> None:
+        self.reporter = reporter
+        self.model, self.layout, self.guard = model, layout, guard
+        self.rank = world_rank
 
+    def resume(self) -> int | None:
+        """Load the latest checkpoint, if any (a collective: every rank reads the parts of the
+        shards it holds now, resharded to this world); returns its step."""
+        model, layout = self.model, self.layout
         with self.reporter.latest_checkpoint_dir() as directory:
             if directory is None:
-                self.resumed_from = None
-                return
-            # every rank reads the parts of the shards it holds now (resharded to this world)
-            state = load_sharded(directory, self.planned, self.optimizer, world_rank=self.rank)
+                return None
+            state = load_sharded(directory, model.planned, model.optimizer, world_rank=self.rank)
         extra = state.get("extra", {})
-        self._resume_batch_layout(extra.get("batch"), int(state.get("world_size",
-                                                                     self.world_size)))
-        self.loader.load_state_dict(state["loader"])
-        if self.scheduler is not None and extra.get("scheduler") is not None:
-            self.scheduler.load_state_dict(extra["scheduler"])
+        layout.resume(extra.get("batch"), int(state.get("world_size", layout.world_size)))
+        layout.loader.load_state_dict(state["loader"])
+        if model.scheduler is not None and extra.get("scheduler") is not None:
+            model.scheduler.load_state_dict(extra["scheduler"])
         guards = state.get("guard") or []
         if self.rank < len(guards) and guards[self.rank]:
             try:
                 self.guard.load_state_dict(guards[self.rank])
             except Exception:
                 logger.warning("rank %d: guard state not restored", self.rank, exc_info=True)
-        self.step = int(state["step"])
-        self.resumed_from = self.step
-        self.guard.note_pause(self.step)     # fresh processes: their first steps settle
-        logger.info("rank %d: resumed at step %d, loader %s", self.rank, self.step,
-                    self.loader.state_dict())
+        step = int(state["step"])
+        self.guard.note_pause(step)     # fresh processes: their first steps settle
+        logger.info("rank %d: resumed at step %d, loader %s", self.rank, step,
+                    layout.loader.state_dict())
+        return step
 
-    def _checkpoint(self, metrics: Mapping[str, Any]) -> None:
-        """Every rank writes its shard (a collective: :func:`~raytrain_guard.runtime.checkpoint.
-        save_sharded`) into a directory of its own and reports it; Ray Train merges the ranks'
-        directories of one report into one checkpoint. No rank gathers the whole model."""
-        from raytrain_guard.runtime.checkpoint import save_sharded
-
+    def save(self, steps: Any, metrics: Mapping[str, Any]) -> None:
+        """A checkpoint after ``steps.step`` steps (a collective), reported with the step, the
+        loss averaged over ranks (it rides on the checkpoint's gather), the gradient norm, the
+        learning rate and ``metrics``."""
+        model, layout = self.model, self.layout
+        scheduler = model.scheduler
         with tempfile.TemporaryDirectory(prefix="rtg-ckpt-") as tmp:
             meta = save_sharded(
-                tmp, self.planned, self.optimizer, step=self.step,
-                loader_state=self.loader.state_dict(), guard_state=self.guard.state_dict(),
-                extra={"batch": {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
-                                 "changes": self.batch_changes},
-                       "scheduler": self.scheduler.state_dict() if self.scheduler is not None
-                       else None},
-                loss=float(self._last_loss) if self._last_loss is not None else None)
-            self.reporter.report(self._report_metrics(meta, metrics), tmp)
+                tmp, model.planned, model.optimizer, step=steps.step,
+                loader_state=layout.loader.state_dict(), guard_state=self.guard.state_dict(),
+                extra={"batch": {"micro_batch": layout.micro_batch,
+                                 "grad_accum": layout.grad_accum, "changes": layout.changes},
+                       "scheduler": scheduler.state_dict() if scheduler is not None else None},
+                loss=float(steps.last_loss) if steps.last_loss is not None else None)
+            losses = [x for x in meta.get("losses", ()) if x is not None]
+            report = {"step": steps.step, "loss": sum(losses) / len(losses) if losses else None,
+                      **metrics}
+            norm = steps.grad_norm
+            if norm is not None:
+                report["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor")
+                                            else norm)
+            if scheduler is not None:
+                report["lr"] = float(scheduler.get_last_lr()[0])
+            self.reporter.report(report, tmp)
         self.guard.note_pause()
-        logger.info("rank %d: checkpoint at step %d", self.rank, self.step)
+        logger.info("rank %d: checkpoint at step %d", self.rank, steps.step)
 
-    def _report_metrics(self, meta: Mapping[str, Any], metrics: Mapping[str, Any]
-                        ) -> dict[str, Any]:
-        """The step, the loss averaged over ranks (it rode on the checkpoint's gather), the
-        gradient norm and learning rate, and ``metrics``."""
-        losses = [x for x in meta.get("losses", ()) if x is not None]
-        loss = sum(losses) / len(losses) if losses else None
-        report = {"step": self.step, "loss": loss, **metrics}
-        if self._grad_norm is not None:
-            report["grad_norm"] = float(self._grad_norm.full_tensor()
-                                        if hasattr(self._grad_norm, "full_tensor")
-                                        else self._grad_norm)
-        if self.scheduler is not None:
-            report["lr"] = float(self.scheduler.get_last_lr()[0])
-        return report
 
-    def _finish(self, wall_s: float) -> dict[str, Any]:
-        """Final figures; rank 0 names stragglers across ranks; a last checkpoint + report."""
-        from raytrain_guard.core.gate import attribute_across_ranks
-        from raytrain_guard.runtime.checkpoint import gather_objects
+class RayTrainReporter:
+    """Checkpoints and results through ``ray.train`` (a barrier across all workers)."""
 
-        own = {"world_rank": self.rank,
-               "window": [s.to_dict() for s in self.guard.gate.window],   # warm-up left out
-               "decisions": self.decisions, "loader": self.loader.stats(),
-               "faults_applied": getattr(self.faults, "num_delays", 0),
-               "batch_changes": [dict(c, world_rank=self.rank) for c in self.batch_changes]}
-        per_rank = gather_objects(own)
-        windows = [[StepStats.from_dict(s) for s in r["window"]] for r in per_rank]
-        attribution = [{"world_rank": a.world_rank, "role": a.role.value, "reason": a.reason,
-                        "median_step_s": a.total_s, "data_wait_s": a.data_wait_s,
-                        "compute_s": a.compute_s, "comm_wait_s": a.comm_wait_s}
-                       for a in attribute_across_ranks(
-                           windows, straggler_frac=self.config.guard.straggler_frac)]
-        stops = [d for r in per_rank for d in r["decisions"]
-                 if d["action"] == Action.CHECKPOINT_AND_STOP.value]
-        if self.stop_reason == _OTHER_RANK_STOP and stops:
-            self.stop_reason = f"rank {stops[0]['world_rank']}: {stops[0]['reason']}"
-        for a in attribution:
-            if a["role"] != "normal":
-                logger.warning("rank %d: %s", self.rank, a["reason"])
-        results = {
-            "step": self.step, "total_steps": self.total_steps,
-            "stopped_early": self.stop_reason is not None, "stop_reason": self.stop_reason,
-            "resumed_from": self.resumed_from, "world_size": self.world_size,
-            "wall_s": round(wall_s, 3),
-            "bandwidth": self.curve.to_dict(self.config.guard.bandwidth_peak_frac)
-            if self.curve is not None else None,
-            "bucket_plan": self.bucket_plan.to_dict(), "model": self.planned.describe(),
-            "bucket_layout": self.planned.bucket_layout(),
-            "attribution": attribution,
-            "decisions": [d for r in per_rank for d in r["decisions"]],
-            "loader": [r["loader"] for r in per_rank],
-            "faults_applied": [r["faults_applied"] for r in per_rank],
-            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
-            "batch_changes": [c for r in per_rank for c in r["batch_changes"]],
-            "control_rounds": self.control.num_rounds,    # stop/lockstep allreduces, this rank
-        }
-        # Ray keeps rank 0's metrics (Result.metrics) and logs every rank's report: the results
-        # (the same on every rank, some KB) ride on rank 0's only
-        final = {"kind": "final"}
-        if self.rank == 0:
-            final["results"] = json.dumps(results, default=str)
-        self._checkpoint(final)
-        return results
+    def latest_checkpoint_dir(self) -> contextlib.AbstractContextManager[str | None]:
+        import ray.train
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return contextlib.nullcontext(None)
+        return checkpoint.as_directory()
+
+    def report(self, metrics: Mapping[str, Any], checkpoint_dir: str | None) -> None:
+        import ray.train
+        checkpoint = (ray.train.Checkpoint.from_directory(checkpoint_dir)
+                      if checkpoint_dir is not None else None)
+        ray.train.report(dict(metrics), checkpoint=checkpoint)
+
+
+class DirectoryReporter:
+    """Outside Ray: checkpoints go to ``root/checkpoint_<step>``; results are kept in memory.
+
+    A checkpoint is copied under a temporary name next to its place and renamed into it; the
+    ranks of one step that share ``root`` merge their parts file by file, each rank's meta file
+    last. A copy cut short leaves no ``checkpoint_<step>``, or one that is not complete: resume
+    takes the newest complete one (:func:`~raytrain_guard.runtime.dist.checkpoint.is_complete`: its
+    meta file and every shard file its metadata names), skipping torn ones with a warning."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.reports: list[dict[str, Any]] = []
+
+    def latest_checkpoint_dir(self) -> contextlib.AbstractContextManager[str | None]:
+        names = os.listdir(self.root) if os.path.isdir(self.root) else []
+        steps = sorted(((int(m.group(1)), n) for n in names
+                        if (m := _CHECKPOINT_NAME.fullmatch(n))), reverse=True)
+        for _, name in steps:
+            path = os.path.join(self.root, name)
+            if is_complete(path):
+                return contextlib.nullcontext(path)
+            logger.warning("checkpoint %s is torn (no meta file, or a shard missing or short): "
+                           "skipped, resuming from an older one", path)
+        return contextlib.nullcontext(None)
+
+    def report(self, metrics: Mapping[str, Any], checkpoint_dir: str | None) -> None:
+        self.reports.append(dict(metrics))
+        if checkpoint_dir is not None:
+            _copy_into_place(checkpoint_dir,
+                             os.path.join(self.root, f"checkpoint_{metrics['step']}"))
+
+
+_CHECKPOINT_NAME = re.compile(r"checkpoint_(\d+)")
+
+
+def _copy_into_place(source: str, target: str) -> None:
+    """Copy the directory ``source`` to ``target`` so that ``target`` never holds part of one
+    file: copied under a temporary name in ``target``'s folder (the same file system), then
+    renamed; when ``target`` already holds another rank's part, each file is moved in with
+    ``os.replace``, the meta file last."""
+    parent, name = os.path.split(target)
+    os.makedirs(parent or ".", exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=parent or ".")
+    try:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        try:
+            os.rename(tmp, target)          # atomic; fails when target holds files already
+            return
+        except OSError:
+            pass
+        for entry in sorted(os.listdir(tmp), key=lambda n: n == META_FILE):
+            os.replace(os.path.join(tmp, entry), os.path.join(target, entry))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

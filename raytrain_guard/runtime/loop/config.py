@@ -8,10 +8,27 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.core.memory_model import Strategy
 from raytrain_guard.errors import GuardError, InputError, check_int
 from raytrain_guard.factories import load_object
-from raytrain_guard.runtime.model import parse_strategy
+from raytrain_guard.planner.memory_model import Strategy
+from raytrain_guard.runtime.dist.model import parse_strategy
+
+#: the keys with a fixed set of values, and the fix that names them
+_CHOICES = {
+    "precision": (("fp32", "amp-bf16", "bf16-master", "bf16"),
+                  "use one of fp32, amp-bf16, bf16-master, bf16"),
+    "fsdp_grad_sync": (("auto", "every_micro_batch", "last_micro_batch"),
+                       "use every_micro_batch, last_micro_batch or auto"),
+    "epoch_tail": (("short_step", "drop"),
+                   "use 'short_step' (train the leftover micro-batches) or 'drop'"),
+}
+#: integer keys and their least value; those of _OPTIONAL may be None
+_INTS = {"micro_batch": 1, "grad_accum": 1, "epochs": 1, "seed": 0, "max_steps": 1,
+         "checkpoint_every_steps": 1, "num_workers": 0, "stop_check_every_steps": 1,
+         "global_batch": 1, "device_memory_bytes": 1}
+_OPTIONAL = {"max_steps", "checkpoint_every_steps", "num_workers", "stop_check_every_steps",
+             "global_batch", "device_memory_bytes"}
+REHEARSAL = "raytrain_guard.experiment.rehearsal:build_rehearsal"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +55,8 @@ class LoopConfig:
     decision_source: Any = None
     audit_dir: str | None = None                 # per-rank consumed sample ids (JSON lines)
     sample_id_key: str = "id"
-    faults: Mapping[str, Any] = field(default_factory=dict)
+    faults: Mapping[str, Any] = field(default_factory=dict)   # the rehearsal's to apply
+    rehearsal: Callable[..., Any] | None = None  # (config, world_rank=, device=) -> Rehearsal
     scheduler_factory: Callable[[Any], Any] | None = None  # (optimizer) -> LR scheduler
     max_grad_norm: float | None = None           # clip the global gradient norm to this
     precision: str = "fp32"                      # the planner's: fp32, amp-bf16, bf16-master, bf16
@@ -55,7 +73,7 @@ class LoopConfig:
                                                  # an oversized one in pieces (FSDP: ranks
                                                  # agree per micro-batch, one tiny allreduce)
     restart_after_stop: bool = False             # a guard stop checkpoints, then restarts
-    device_memory_bytes: int | None = None       # a simulated card of this size on CPU
+    device_memory_bytes: int | None = None       # caps a CUDA card; on CPU a rehearsal's card
     trace_dir: str | None = None                 # per-rank JSON lines of steps and events
 
     @classmethod
@@ -77,58 +95,42 @@ class LoopConfig:
                 raise InputError(f"train_loop_config[{name!r}]", "missing",
                                  fix="pass a 'module:attr' string or a callable")
             values[name] = load_object(values[name], field_name=name)
-        for name, lo in (("micro_batch", 1), ("grad_accum", 1), ("epochs", 1), ("seed", 0)):
-            if name in values:
-                values[name] = check_int(name, values[name], at_least=lo)
-        for name in ("max_steps", "checkpoint_every_steps", "num_workers",
-                     "stop_check_every_steps", "global_batch"):
+        for name in ("scheduler_factory", "rehearsal"):
             if values.get(name) is not None:
-                values[name] = check_int(name, values[name],
-                                         at_least=0 if name == "num_workers" else 1)
-        if "strategy" in values:
-            values["strategy"] = parse_strategy(values["strategy"])
+                values[name] = load_object(values[name], field_name=name)
+        for name, least in _INTS.items():
+            if name in values and (values[name] is not None or name not in _OPTIONAL):
+                values[name] = check_int(name, values[name], at_least=least)
+        for name, (choices, fix) in _CHOICES.items():
+            if values.get(name, choices[0]) not in choices:
+                raise InputError(name, f"unknown {name}", value=values[name], fix=fix)
+        for name, fix in (("bucket_cap_mb", "omit it to use the recommended cap"),
+                          ("max_grad_norm", "e.g. 1.0, or leave it out for no clipping")):
+            if values.get(name) is not None and not float(values[name]) > 0:
+                raise InputError(name, "must be > 0", value=values[name], fix=fix)
+        values["strategy"] = parse_strategy(values.get("strategy", Strategy.DDP))
         guard = values.get("guard", {})
         if isinstance(guard, Mapping):
             values["guard"] = GuardConfig.from_dict(guard, source="train_loop_config['guard']")
         elif not isinstance(guard, GuardConfig):
             raise InputError("guard", "must be a dict of GuardConfig fields",
                              value=type(guard).__name__, fix="e.g. {'headroom_frac': 0.2}")
-        if values.get("bucket_cap_mb") is not None and not float(values["bucket_cap_mb"]) > 0:
-            raise InputError("bucket_cap_mb", "must be > 0", value=values["bucket_cap_mb"],
-                             fix="omit it to use the recommended cap")
         source = values.get("decision_source")
         if source is not None and not callable(getattr(source, "poll", None)):
             raise InputError("decision_source", "has no poll(step, stats) method",
                              value=type(source).__name__, fix="pass a LockstepDecisionSource")
-        if not isinstance(values.get("faults", {}), Mapping):
-            raise InputError("faults", "must be a dict", value=values["faults"],
+        faults = values.get("faults", {})
+        if not isinstance(faults, Mapping):
+            raise InputError("faults", "must be a dict", value=faults,
                              fix="e.g. {'delay': [{'seconds': 0.05, 'ranks': [1]}]}")
-        if values.get("scheduler_factory") is not None:
-            values["scheduler_factory"] = load_object(values["scheduler_factory"],
-                                                      field_name="scheduler_factory")
-        if values.get("max_grad_norm") is not None and not float(values["max_grad_norm"]) > 0:
-            raise InputError("max_grad_norm", "must be > 0", value=values["max_grad_norm"],
-                             fix="e.g. 1.0, or leave it out for no clipping")
-        precisions = ("fp32", "amp-bf16", "bf16-master", "bf16")
-        if values.get("precision", "fp32") not in precisions:
-            raise InputError("precision", "unknown precision", value=values["precision"],
-                             fix="use one of " + ", ".join(precisions))
-        if values.get("precision") in ("bf16-master", "bf16") and \
-                parse_strategy(values.get("strategy", "ddp")) not in (Strategy.FSDP_FULL,
-                                                                      Strategy.FSDP_GRAD_OP):
+        if faults and values.get("rehearsal") is None:
+            raise InputError("faults", "are applied by a rehearsal, and none is set",
+                             value=sorted(faults), fix=f"set rehearsal={REHEARSAL!r}")
+        if values.get("precision") in ("bf16-master", "bf16") and values["strategy"] not in (
+                Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP):
             raise InputError("precision", "bf16-master and bf16 are FSDP2 mixed-precision "
                              "policies", value=values["precision"],
                              fix="use amp-bf16 (autocast) under ddp or zero1, or an fsdp strategy")
-        if values.get("fsdp_grad_sync", "auto") not in ("auto", "every_micro_batch",
-                                                        "last_micro_batch"):
-            raise InputError("fsdp_grad_sync", "unknown", value=values["fsdp_grad_sync"],
-                             fix="use every_micro_batch, last_micro_batch or auto")
-        if values.get("epoch_tail", "short_step") not in ("short_step", "drop"):
-            raise InputError("epoch_tail", "unknown", value=values["epoch_tail"],
-                             fix="use 'short_step' (train the leftover micro-batches) or 'drop'")
-        if values.get("device_memory_bytes") is not None:
-            values["device_memory_bytes"] = check_int("device_memory_bytes",
-                                                      values["device_memory_bytes"], at_least=1)
         return cls(**values)
 
     @property
@@ -138,15 +140,16 @@ class LoopConfig:
     @property
     def every_stop_check(self) -> int:
         """Steps between stop agreements. Default ``guard.lockstep_every_steps``, so that the
-        stop flag rides on the lockstep round (one collective, not two): the tiny all_reduce
-        costs about 2 ms per call on gloo on a 2-core box (benchmarks/stop_flag_cost.py), half
-        a toy step; a rank that hits critical memory then waits at most K - 1 steps."""
+        stop flag rides on the lockstep round (one collective, not two: the tiny all_reduce
+        costs about 2 ms on gloo, benchmarks/stop_flag_cost.py); a rank that hits critical
+        memory then waits at most K - 1 steps."""
         return self.stop_check_every_steps or self.guard.lockstep_every_steps
 
 
-def _call_factory(name: str, factory: Callable[..., Any], *args: Any) -> Any:
+def call_factory(name: str, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``factory(*args, **kwargs)``; what it raises becomes an InputError naming ``name``."""
     try:
-        return factory(*args)
+        return factory(*args, **kwargs)
     except GuardError:
         raise
     except Exception as exc:
@@ -155,7 +158,7 @@ def _call_factory(name: str, factory: Callable[..., Any], *args: Any) -> Any:
                          fix="fix the factory; it runs on every worker") from exc
 
 
-def _check_loss(loss: Any, step: int) -> None:
+def check_loss(loss: Any, step: int) -> None:
     import torch
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__

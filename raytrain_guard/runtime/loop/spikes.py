@@ -1,140 +1,137 @@
-"""Batches too large for the card: priced before their forward, run in pieces."""
+"""Spikes in the data (longer sequences, say): micro-batches priced on the card before their
+forward, and an oversized one run in pieces within the same optimizer step."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import statistics
+from collections import deque
 from typing import Any
 
-from raytrain_guard.core.memory_model import Strategy
-from raytrain_guard.runtime.batches import batch_nbytes, leading_batch_size, map_tensors
-from raytrain_guard.runtime.loop.steps import _batch_elements
+from raytrain_guard.planner.batches import (
+    batch_nbytes,
+    iter_tensors,
+    leading_batch_size,
+    map_tensors,
+)
+from raytrain_guard.planner.memory_model import Strategy
+from raytrain_guard.runtime.loop.config import LoopConfig
 
-logger = logging.getLogger("raytrain_guard.runtime.train_loop")
-
-
+logger = logging.getLogger(__name__)
 
 #: a batch this many times larger than the median batch so far is a spike in the data
-_SPIKE_FACTOR = 1.25
+SPIKE_FACTOR = 1.25
 
 
-class SpikesMixin:
-    """On a card that prices (``self.card``: simulated, or CUDA's allocator): activation bytes
-    per batch element are learned from the batches so far; a batch larger than those (a spike
-    in the data) that would take the card past the watermark runs in pieces within the same
-    optimizer step, each weighted by its samples."""
+def batch_elements(batch: Any) -> int:
+    return sum(t.numel() for t in iter_tensors(batch))
 
-    def _learn_activations(self, batch: Any) -> None:
-        """Activation bytes per batch element, the largest seen: what prices the next batch."""
-        elements = _batch_elements(batch)
+
+class SpikeSplitter:
+    """On a ``card`` that prices (a simulated one, or CUDA's allocator): activation bytes per
+    batch element are learned from the batches so far (:meth:`learn`); a batch larger than
+    those that would take the card past the watermark runs in pieces (:meth:`pieces`), each
+    weighted by its samples. Under FSDP every rank runs the same forwards (each gathers and
+    scatters with the others): the ranks agree on the most pieces any of them needs, one
+    tiny allreduce on ``control`` per micro-batch. ``log``: the decision log."""
+
+    def __init__(self, config: LoopConfig, card: Any, *, world_rank: int, world_size: int,
+                 control: Any, timer: Any, log: Any) -> None:
+        self.config = config
+        self.card = card
+        self.rank = world_rank
+        self.control = control
+        self.timer = timer
+        self.log = log
+        self.per_elem: float | None = None      # activation bytes per element, the most seen
+        self.sizes: deque[int] = deque(maxlen=64)   # elements of the batches seen
+        self.pending: list[dict[str, Any]] = []     # this step's splits, measured at its end
+        #: the same answer on every rank (config and world size only)
+        self.agree = (config.act and world_size > 1
+                      and config.strategy not in (Strategy.DDP, Strategy.ZERO1))
+
+    def learn(self, batch: Any) -> None:
+        elements = batch_elements(batch)
         if elements:
-            self._batch_elements.append(elements)
+            self.sizes.append(elements)
             per_elem = self.card.last_activation_bytes / elements
-            if self._act_per_elem is None or per_elem > self._act_per_elem:
-                self._act_per_elem = per_elem
+            if self.per_elem is None or per_elem > self.per_elem:
+                self.per_elem = per_elem
 
-    def _pieces(self, batch: Any) -> Any:
-        """``((batch, 1.0),)``, or the batch in ``k`` pieces with their sample weights when it
-        is larger than the batches so far (a spike in the data: longer sequences) and its
-        activations, priced per element before the forward, would take the card past the
-        watermark. Memory that grows under normal batches is the memory rules' to handle (a
-        checkpoint before the out-of-memory). Only when the guard acts. Under FSDP every rank
-        must run the same forwards (each one gathers and scatters with the others): the ranks
-        agree on the most pieces any of them needs (:meth:`_agreed_pieces`) and all split."""
+    def pieces(self, batch: Any, step: int) -> Any:
+        """``((batch, 1.0),)``, or the pieces of a spike with their sample weights. A spike
+        seen but not split (the guard observes, or no piece fits) is logged now: the step may
+        not end."""
         size = leading_batch_size(batch) or 1
-        wanted, entry = self._priced_pieces(batch, size)
+        wanted, entry = self._priced(batch, size, step)
         pieces = wanted
-        if self._split_agreement:
-            pieces, smallest = self._agreed_pieces(wanted, size)
+        if self.agree:
+            start = self.timer.now()
+            pieces, smallest = self.control.all_reduce_max(wanted, -size)
+            if self.timer.on_host:     # the wait for the others is communication, not compute
+                self.timer.record_collective(start, self.timer.now())
             pieces = min(pieces, -smallest)   # no empty piece on any rank
             if pieces > 1 and entry is None:
-                entry = self._split_entry(
-                    size, f"rank {self.rank} step {self.step}: another rank's micro-batch is "
-                          f"too large for its card; FSDP ranks run the same forwards")
+                entry = self._entry(size, step, f"rank {self.rank} step {step}: another rank's "
+                                    f"micro-batch is too large for its card; FSDP ranks run the "
+                                    f"same forwards")
         if entry is None:
             return ((batch, 1.0),)
-        if pieces <= 1:                # seen coming, not split: written down now (the step
-            entry["applied"] = False   # may not end)
+        if pieces <= 1:
+            entry["applied"] = False
             entry["reason"] += ("; not split (the guard observes only)" if not self.config.act
                                 else "; not split (no room on the card for any piece)")
-            self.decisions.append(entry)
-            self._trace_event("decision", **entry)
+            self.log.append(entry)
             return ((batch, 1.0),)
         entry["reason"] += f"; run in {pieces} pieces of the same optimizer step"
         entry["params"]["pieces"] = pieces
-        peak_bytes = self.card.base_bytes + self._piece_bytes(batch, pieces)
-        entry["predicted"] = {"peak_frac": round(peak_bytes / self.card.capacity_bytes, 4)}
-        self._split_pending.append(entry)
+        held = batch_nbytes(batch)   # on the card in full while its pieces (views) run
+        rest = max(0.0, (self.per_elem or 0.0) * batch_elements(batch) - held)
+        peak = self.card.base_bytes + held + rest / pieces
+        entry["predicted"] = {"peak_frac": round(peak / self.card.capacity_bytes, 4)}
+        self.pending.append(entry)
         bounds = [size * i // pieces for i in range(pieces + 1)]
         return tuple((map_tensors(batch, lambda t, lo=lo, hi=hi: t[lo:hi]), (hi - lo) / size)
                      for lo, hi in itertools.pairwise(bounds))
 
-    def _agreed_pieces(self, wanted: int, size: int) -> tuple[int, int]:
-        """MAX over the ranks of (pieces wanted, -micro-batch size): a collective, so a rank's
-        wait for the others is communication, not the forward it precedes (host clock; on
-        CUDA the host wait lands in the forward's events)."""
-        timer = self.guard.timer
-        start = timer.now()
-        agreed = self.control.all_reduce_max(wanted, -size)
-        if timer.on_host:
-            timer.record_collective(start, timer.now())
-        return agreed
+    def measure(self) -> None:
+        """The step's measured peak beside each split's prediction, into the log."""
+        peak = self.card.step_peak_bytes / self.card.capacity_bytes
+        for entry in self.pending:
+            entry["measured"] = {"peak_frac": round(peak, 4)}
+            self.log.append(entry)
+            logger.warning("%s (measured peak %.0f%%)", entry["reason"], 100 * peak)
+        self.pending = []
 
-    @property
-    def _split_agreement(self) -> bool:
-        """Whether the ranks agree on each micro-batch's pieces: under FSDP, acting, with more
-        than one rank. The same answer on every rank (config and world size only)."""
-        return (self.config.act and self.config.split_spikes and self.world_size > 1
-                and self.config.strategy not in (Strategy.DDP, Strategy.ZERO1))
-
-    def _priced_pieces(self, batch: Any, size: int) -> tuple[int, dict | None]:
+    def _priced(self, batch: Any, size: int, step: int) -> tuple[int, dict | None]:
         """The pieces this rank's batch needs (1: none) and, for a spike past the watermark,
-        the decision entry that says so."""
-        card, per_elem = self.card, self._act_per_elem
+        the entry that says so. Memory that grows under normal batches is the memory rules'."""
+        card, per_elem = self.card, self.per_elem
         if per_elem is None:
             return 1, None
-        elements = _batch_elements(batch)
-        if elements <= _SPIKE_FACTOR * statistics.median(self._batch_elements):
+        elements = batch_elements(batch)
+        if elements <= SPIKE_FACTOR * statistics.median(self.sizes):
             return 1, None
         predicted = per_elem * elements
-        room = card.capacity_bytes * self.config.guard.memory_watermark_frac - card.base_bytes
+        watermark = self.config.guard.memory_watermark_frac
+        room = card.capacity_bytes * watermark - card.base_bytes
         if predicted <= room:
             return 1, None
-        entry = self._split_entry(
-            size, f"rank {self.rank} step {self.step}: this micro-batch's activations are "
-                  f"priced at {predicted / 2**20:.1f} MiB before its forward ({per_elem:.1f} "
-                  f"bytes per element), which takes the card to "
-                  f"{(card.base_bytes + predicted) / card.capacity_bytes:.0%} (watermark "
-                  f"{self.config.guard.memory_watermark_frac:.0%})")
-        entry["predicted"] = {"peak_frac": round((card.base_bytes + predicted)
-                                                 / card.capacity_bytes, 4)}
+        peak_frac = (card.base_bytes + predicted) / card.capacity_bytes
+        entry = self._entry(size, step, f"rank {self.rank} step {step}: this micro-batch's "
+                            f"activations are priced at {predicted / 2**20:.1f} MiB before its "
+                            f"forward ({per_elem:.1f} bytes per element), which takes the card "
+                            f"to {peak_frac:.0%} (watermark {watermark:.0%})")
+        entry["predicted"] = {"peak_frac": round(peak_frac, 4)}
         held = batch_nbytes(batch)
         if not self.config.act or room <= held:
             return 1, entry
         # the whole batch stays on the card while its pieces run: only the rest divides
-        pieces = max(2, -(-int(predicted - held) // int(room - held)))
-        return min(size, pieces), entry
+        return min(size, max(2, -(-int(predicted - held) // int(room - held)))), entry
 
-    def _piece_bytes(self, batch: Any, pieces: int) -> float:
-        """A piece's activation bytes at its peak: the batch itself (on the card in full, the
-        pieces are views of it) and its share of the rest."""
-        held = batch_nbytes(batch)
-        rest = max(0.0, (self._act_per_elem or 0.0) * _batch_elements(batch) - held)
-        return held + rest / pieces
-
-    def _split_entry(self, size: int, reason: str) -> dict:
-        return {"action": "split_micro_batch", "step": self.step, "applied_at": self.step,
+    def _entry(self, size: int, step: int, reason: str) -> dict[str, Any]:
+        return {"action": "split_micro_batch", "step": step, "applied_at": step,
                 "scope": "rank", "cause": "device_memory", "world_rank": self.rank,
                 "decision_id": 0, "applied": True, "reason": reason,
                 "params": {"pieces": 1, "micro_batch": size}}
-
-    def _measure_splits(self) -> None:
-        """The step's measured peak beside each split's prediction, then into the results."""
-        peak = self.card.step_peak_bytes / self.card.capacity_bytes
-        for entry in self._split_pending:
-            entry["measured"] = {"peak_frac": round(peak, 4)}
-            self.decisions.append(entry)
-            self._trace_event("decision", **entry)
-            logger.warning("%s (measured peak %.0f%%)", entry["reason"], 100 * peak)
-        self._split_pending = []

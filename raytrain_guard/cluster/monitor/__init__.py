@@ -1,0 +1,2 @@
+"""The node monitor: one per Ray node, sampling GPUs (NVML) and the host (psutil).
+"""

@@ -1,0 +1,220 @@
+"""Node probes: the only code that reads NVML or psutil, plus scripted probes for rehearsals.
+
+A host probe has ``sample(workers) -> HostSample`` (``workers``: registered train-worker pid ->
+world rank); a GPU probe ``sample() -> tuple[GpuSample, ...]`` or ``sample(workers)``, to mark
+the GPUs that hold them (``process_pids``: how the policy tells the run's GPUs from another
+job's). A probe that cannot read raises; the monitor goes host-only, never crashes. Scripted
+probes rehearse a hot, throttled or foreign GPU, host pressure or an NVML failure::
+
+    gpu = ScriptedGpuProbe([[GpuSample(0, 70 * GiB, 80 * GiB)],
+                            [GpuSample(0, 76 * GiB, 80 * GiB, throttle_reasons=("thermal",))]])
+    monitor = NodeMonitor("node-a", config, gpu_probe=gpu, host_probe=ScriptedHostProbe([...]))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from raytrain_guard.config import DISABLE_NVML_ENV, nvml_disabled
+from raytrain_guard.core.node_samples import GpuSample, HostSample, WorkerMemory
+from raytrain_guard.errors import GuardError, InputError
+from raytrain_guard.runtime.host_memory import host_memory, private_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class ProbeError(GuardError):
+    """A probe cannot read its source (NVML missing, driver error, process gone)."""
+
+
+# -- NVML --------------------------------------------------------------------------------------
+
+class NvmlGpuProbe:
+    """Every GPU of this node through NVML: memory, utilization, temperature, power, throttling
+    and the compute processes' pids (None where unsupported). The constructor raises
+    :class:`ProbeError` without NVML or a device (the monitor then goes host-only)."""
+
+    def __init__(self) -> None:
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+        except Exception as exc:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded ...
+            raise ProbeError(f"NVML unavailable: {exc}") from exc
+        if count == 0:
+            raise ProbeError("NVML found no GPU on this node")
+        self._nvml = pynvml
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        bits = {"thermal": ("SwThermalSlowdown", "HwThermalSlowdown"),
+                "power": ("SwPowerCap", "HwPowerBrakeSlowdown"),
+                "slowdown": ("HwSlowdown",)}
+        self._reason_bits = {reason: sum(getattr(pynvml, f"nvmlClocksThrottleReason{n}", 0)
+                                         for n in names) for reason, names in bits.items()}
+
+    def sample(self) -> tuple[GpuSample, ...]:
+        nv = self._nvml
+        out = []
+        for index, handle in enumerate(self._handles):
+            try:
+                mem = nv.nvmlDeviceGetMemoryInfo(handle)
+            except Exception as exc:
+                raise ProbeError(f"NVML failed reading GPU {index} memory: {exc}") from exc
+            util = _optional(lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
+            temp = _optional(lambda: float(nv.nvmlDeviceGetTemperature(handle,
+                                                                        nv.NVML_TEMPERATURE_GPU)))
+            power = _optional(lambda: nv.nvmlDeviceGetPowerUsage(handle) / 1000.0)  # mW -> W
+            mask = _optional(lambda: nv.nvmlDeviceGetCurrentClocksThrottleReasons(handle)) or 0
+            reasons = tuple(r for r, bit in self._reason_bits.items() if mask & bit)
+            out.append(GpuSample(index, int(mem.used), int(mem.total), util, temp, power, reasons,
+                                 _optional(lambda: self._pids(handle))))
+        return tuple(out)
+
+    def _pids(self, handle: Any) -> tuple[int, ...]:
+        """The compute processes on one GPU, as the driver sees them (another pid namespace:
+        no match, and the policy counts every GPU)."""
+        return tuple(int(p.pid) for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+
+
+def _optional(read: Callable[[], Any]) -> Any:
+    try:
+        return read()
+    except Exception:
+        return None
+
+
+# -- psutil ------------------------------------------------------------------------------------
+
+class PsutilHostProbe:
+    """Host memory (the container's cgroup limit when lower: a Kubernetes pod's), swap, CPU,
+    and each registered worker's private memory (USS) and its DataLoader workers' (its child
+    processes, found at every sample: they come and go with epochs)."""
+
+    def __init__(self) -> None:
+        import psutil
+        self._psutil = psutil
+        psutil.cpu_percent(None)   # prime: the first call always returns 0.0
+
+    def sample(self, workers: Mapping[int, int | None]) -> HostSample:
+        ps = self._psutil
+        total, available = host_memory()
+        sw = ps.swap_memory()
+        memories = []
+        for pid, rank in sorted(workers.items()):
+            try:
+                children = ps.Process(pid).children(recursive=True)
+            except ps.Error:
+                continue   # gone: the monitor stops sampling it
+            own = private_bytes(pid)
+            if own is None:
+                continue
+            loaders = [private_bytes(c.pid) for c in children]
+            memories.append(WorkerMemory(pid, rank, own, sum(b for b in loaders if b),
+                                         len(children)))
+        return HostSample(memory_total_bytes=total, memory_available_bytes=available,
+                          swap_used_bytes=int(sw.used), swap_total_bytes=int(sw.total),
+                          cpu_frac=ps.cpu_percent(None) / 100.0, workers=tuple(memories))
+
+
+# -- scripted probes (tests and rehearsals) ----------------------------------------------------
+
+class ScriptedGpuProbe:
+    """Plays back GPU readings, one entry per sample, the last repeating; an exception entry
+    is raised (an NVML failure). ``worker_gpus``: the GPUs that hold the registered workers,
+    whose pids they add to ``process_pids`` (another job's GPU beside the run's); None: the
+    pids as scripted."""
+
+    def __init__(self, script: Sequence[Iterable[GpuSample] | BaseException], *,
+                 worker_gpus: Iterable[int] | None = None) -> None:
+        if not script:
+            raise InputError("script", "ScriptedGpuProbe needs at least one entry", value=script,
+                             fix="pass a list of GPU readings (one list of GpuSample per sample)")
+        self._script = list(script)
+        self._i = 0
+        self.worker_gpus = None if worker_gpus is None else frozenset(worker_gpus)
+
+    def sample(self, workers: Mapping[int, int | None] | None = None) -> tuple[GpuSample, ...]:
+        entry = self._script[min(self._i, len(self._script) - 1)]
+        self._i += 1
+        if isinstance(entry, BaseException):
+            raise entry
+        if self.worker_gpus is None:
+            return tuple(entry)
+        pids = tuple(sorted(workers or ()))
+        return tuple(dataclasses.replace(
+            g, process_pids=tuple(g.process_pids or ()) + (pids if g.index in self.worker_gpus
+                                                           else ())) for g in entry)
+
+
+class ScriptedHostProbe:
+    """Plays back host readings (the last repeats); fills in the registered workers' pids
+    with ``worker_private_bytes`` each, so registration can be rehearsed without processes."""
+
+    def __init__(self, script: Sequence[HostSample | BaseException], *,
+                 worker_private_bytes: int = 0) -> None:
+        if not script:
+            raise InputError("script", "ScriptedHostProbe needs at least one entry", value=script,
+                             fix="pass a list of HostSample readings (one per sample)")
+        self._script = list(script)
+        self._i = 0
+        self._worker_bytes = worker_private_bytes
+
+    def sample(self, workers: Mapping[int, int | None]) -> HostSample:
+        entry = self._script[min(self._i, len(self._script) - 1)]
+        self._i += 1
+        if isinstance(entry, BaseException):
+            raise entry
+        if not workers:
+            return entry
+        fake = tuple(WorkerMemory(pid, rank, self._worker_bytes)
+                     for pid, rank in sorted(workers.items()))
+        return HostSample(entry.memory_total_bytes, entry.memory_available_bytes,
+                          entry.swap_used_bytes, entry.swap_total_bytes, entry.cpu_frac, fake)
+
+
+class ScriptedProbeFactory:
+    """A picklable ``probe_factory(node_id) -> (gpu_probe, host_probe)`` for ``start_monitors``.
+    ``gpu_script``: every node's script, or node id -> script (``default_gpu_script`` for the
+    others); a None ``host_script`` keeps the real host probe."""
+
+    def __init__(self, gpu_script: Sequence | Mapping[str, Sequence] | None,
+                 host_script: Sequence | None = None, *,
+                 default_gpu_script: Sequence | None = None,
+                 worker_gpus: Iterable[int] | None = None) -> None:
+        self.gpu_script = gpu_script
+        self.host_script = host_script
+        self.default_gpu_script = default_gpu_script
+        self.worker_gpus = None if worker_gpus is None else tuple(worker_gpus)
+
+    def __call__(self, node_id: str) -> tuple[ScriptedGpuProbe | None, ScriptedHostProbe | None]:
+        script = self.gpu_script
+        if isinstance(script, Mapping):
+            script = script.get(node_id, self.default_gpu_script)
+        gpu = ScriptedGpuProbe(script, worker_gpus=self.worker_gpus) \
+            if script is not None else None
+        host = ScriptedHostProbe(self.host_script) if self.host_script is not None else None
+        return gpu, host
+
+
+def default_gpu_probe() -> NvmlGpuProbe:
+    """The real GPU probe; raises ProbeError where NVML is missing or turned off
+    (:data:`~raytrain_guard.config.DISABLE_NVML_ENV`)."""
+    if nvml_disabled():
+        raise ProbeError(f"NVML disabled by {DISABLE_NVML_ENV}=1")
+    return NvmlGpuProbe()
+
+
+def takes_workers(probe: Any) -> bool:
+    """True when ``probe.sample`` accepts the registered workers (``sample(workers)``)."""
+    try:
+        params = inspect.signature(probe.sample).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+               for p in params)
+
+
+def default_host_probe() -> PsutilHostProbe:
+    return PsutilHostProbe()

@@ -1,0 +1,109 @@
+"""The control-plane collective: stop flag and newest decision id in one 16-byte all_reduce.
+
+Both questions the ranks must agree on every ``lockstep_every_steps`` steps (did any rank ask
+to stop; has any rank heard of a decision the others have not) are a MAX, so one
+``all_reduce(MAX)`` of ``[stop flag, newest decision id]`` answers both. It runs on a gloo group
+over a CPU tensor allocated once, so it never synchronizes the device, and the train loop and
+the lockstep share one plane per process (:func:`shared_control_plane`). Why gloo, and how the
+stop flag rides on the lockstep's round: docs/coordination.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+NO_DECISION = -1  # the value a rank contributes to the MAX when it knows of nothing new
+
+
+class ControlPlane:
+    """One rank's end of the control-plane collective. ``world_size`` 1: no collective.
+    ``group``: the gloo group to reduce over (None: the default group, gloo), held weakly:
+    a group kept alive past ``destroy_process_group`` aborts the process at exit."""
+
+    def __init__(self, world_size: int, group: Any = None) -> None:
+        self.world_size = world_size
+        self._group = weakref.ref(group) if group is not None else None
+        self.local_stop = False          # this rank's gate asked to stop (set by the loop)
+        self.agreed_stop = False         # some rank asked, as of the last round
+        self.num_rounds = 0              # rounds run; the loop compares it around a poll
+        self._buffer: Any = None
+        if world_size > 1:
+            import torch
+            self._buffer = torch.zeros(2, dtype=torch.int64)     # CPU, reused every round
+
+    @property
+    def group(self) -> Any:
+        """The gloo side group, or None for the default group (raises once it was destroyed)."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise RuntimeError("control plane: its process group was destroyed")
+        return group
+
+    @classmethod
+    def for_default_group(cls) -> ControlPlane:
+        """The plane of the initialised default group (a new gloo side group when its backend
+        is not gloo: a collective call, every rank must make it at the same point); a world of
+        one rank when torch.distributed is not initialised."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(1)
+        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return cls(dist.get_world_size(), group)
+
+    def agree(self, newest_id: int = NO_DECISION) -> int:
+        """One round: every rank's ``[local_stop, newest_id]`` reduced by MAX. Sets
+        :attr:`agreed_stop` and returns the newest decision id any rank knows of
+        (:data:`NO_DECISION` when none). Every rank must call it at the same boundary."""
+        stop, newest = self.all_reduce_max(1 if self.local_stop else 0, newest_id)
+        self.agreed_stop = bool(stop)
+        self.num_rounds += 1
+        return newest
+
+    def stop_agreed(self, rounds_before: int, *, check_now: bool) -> bool:
+        """Whether the ranks agreed to stop here: a round ran since ``rounds_before`` (a
+        lockstep exchange carried the flag), or ``check_now`` runs one (the same on every
+        rank)."""
+        if self.num_rounds == rounds_before:
+            if not check_now:
+                return False
+            self.agree()
+        return self.agreed_stop
+
+    def all_reduce_max(self, first: int, second: int) -> tuple[int, int]:
+        """The one method that touches torch.distributed: ``all_reduce(MAX)`` of two int64
+        on the side group, in the preallocated CPU tensor (no device synchronization)."""
+        if self.world_size == 1:
+            return first, second
+        import torch.distributed as dist
+
+        buffer = self._buffer
+        buffer[0] = first
+        buffer[1] = second
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group)
+        return int(buffer[0]), int(buffer[1])
+
+
+_shared: tuple[Any, ControlPlane] | None = None    # (weak ref to the default group, the plane)
+
+
+def shared_control_plane() -> ControlPlane:
+    """This process's plane for the current default group, made on the first call (by every
+    rank at the same point: it may create the gloo side group) and again after the default
+    group was replaced."""
+    global _shared
+    import torch.distributed as dist
+
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if _shared is None or (_shared[0]() if _shared[0] is not None else None) is not world:
+        _shared = (weakref.ref(world) if world is not None else None,
+                   ControlPlane.for_default_group())
+        logger.debug("control plane: world of %d, %s group", _shared[1].world_size,
+                     "default" if _shared[1].group is None else "gloo side")
+    return _shared[1]

@@ -1,0 +1,2 @@
+"""The guarded DataLoader: sized from measured batches, sharded exactly once, resumable.
+"""

@@ -1,0 +1,3 @@
+"""The per-worker step guard: step timing, memory probes, the gate fed in batches, the hang
+watchdog, local actions.
+"""
