@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -64,4 +65,6 @@ def test_the_loop_waits_the_device_time_and_slow_compute_stretches_it(tmp_path):
     slowed = [steps[s] for s in (6, 7, 8)]
     assert min(normal) >= 0.04                             # at least the device time
     assert min(slowed) >= 0.12                             # 3 x 40 ms of device time
-    assert min(slowed) > 2 * max(normal)
+    # the stretch adds 80 ms of waited device time: half of it survives any host noise that
+    # slows the normal steps (a ratio of step times did not, on a loaded box)
+    assert min(slowed) - statistics.median(normal) > 0.04

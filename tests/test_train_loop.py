@@ -37,7 +37,8 @@ BASE = {"model_factory": toy.make_model,
         "epochs": 2, "max_steps": TOTAL, "checkpoint_every_steps": 100, "num_workers": 0,
         "seed": 1, "measure_bandwidth": False,
         "guard": {"report_every_steps": N, "lockstep_every_steps": K, "gate_batch_steps": B,
-                  "slow_step_factor": 1000.0}}
+                  # no slow step on a loaded box: a gate decision reads the stats off-cadence
+                  "slow_step_factor": 1000.0, "slow_component_growth_steps": 0.0}}
 
 
 class RecordingGauges:
