@@ -111,7 +111,7 @@ def run(ranks: int, per_node: int, seconds: int, *, trace: bool):
 
 def q(values, p):
     ordered = sorted(values)
-    return ordered[max(0, int(round(p * len(ordered))) - 1)]
+    return ordered[max(0, round(p * len(ordered)) - 1)]
 
 
 def main(argv=None) -> int:
