@@ -281,7 +281,7 @@ def _validate(config: GuardConfig) -> None:
         value = getattr(config, f.name)
         lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
         if lo is None and hi is None:
-            if f.type in ("bool",) and not isinstance(value, bool):
+            if f.type == "bool" and not isinstance(value, bool):
                 raise ConfigError(f.name, "must be true or false", value=value,
                                   fix="write true or false")
             continue
@@ -303,19 +303,12 @@ def _validate(config: GuardConfig) -> None:
         if hi is not None and value > hi:
             raise ConfigError(f.name, f"must be <= {hi}", value=value,
                               fix=_range_fix(f.name, lo, hi, lo_open))
-    if config.min_workers_per_gpu > config.max_workers_per_gpu:
-        raise ConfigError("min_workers_per_gpu", "exceeds max_workers_per_gpu",
-                          value=config.min_workers_per_gpu,
-                          fix=f"use at most max_workers_per_gpu={config.max_workers_per_gpu}")
-    if config.memory_watermark_frac > config.memory_critical_frac:
-        raise ConfigError("memory_watermark_frac", "exceeds memory_critical_frac",
-                          value=config.memory_watermark_frac,
-                          fix=f"keep it at or below memory_critical_frac="
-                              f"{config.memory_critical_frac}")
-    if config.min_bucket_cap_mb > config.max_bucket_cap_mb:
-        raise ConfigError("min_bucket_cap_mb", "exceeds max_bucket_cap_mb",
-                          value=config.min_bucket_cap_mb,
-                          fix=f"use at most max_bucket_cap_mb={config.max_bucket_cap_mb}")
+    for low, high in (("min_workers_per_gpu", "max_workers_per_gpu"),
+                      ("memory_watermark_frac", "memory_critical_frac"),
+                      ("min_bucket_cap_mb", "max_bucket_cap_mb")):
+        if getattr(config, low) > getattr(config, high):
+            raise ConfigError(low, f"exceeds {high}", value=getattr(config, low),
+                              fix=f"use at most {high}={getattr(config, high)}")
 
 
 def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -348,9 +341,9 @@ for a driver that misbehaves under NVML polling, or to rehearse a GPU-less node.
 ``raytrain_guard.cluster.monitor.probes.default_gpu_probe`` when a monitor starts."""
 
 
-def nvml_disabled(environ: Mapping[str, str] | None = None) -> bool:
-    """True when :data:`DISABLE_NVML_ENV` is ``1`` in ``environ`` (default: this process)."""
-    return (os.environ if environ is None else environ).get(DISABLE_NVML_ENV) == "1"
+def nvml_disabled() -> bool:
+    """True when :data:`DISABLE_NVML_ENV` is ``1`` in this process's environment."""
+    return os.environ.get(DISABLE_NVML_ENV) == "1"
 
 
 def _guard_section(data: dict[str, Any], source: str) -> dict[str, Any]:

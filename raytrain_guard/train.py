@@ -31,6 +31,7 @@ from raytrain_guard.config import GuardConfig
 from raytrain_guard.coordination.client import coordinator_name
 from raytrain_guard.errors import InputError, check_int
 from raytrain_guard.factories import load_object
+from raytrain_guard.runtime.data.ray_batches import GuardedBatches
 from raytrain_guard.runtime.dist.model import parse_strategy
 from raytrain_guard.runtime.dropin.worker import (
     WorkerGuard,
@@ -39,11 +40,12 @@ from raytrain_guard.runtime.dropin.worker import (
     install,
     uninstall,
 )
+from raytrain_guard.runtime.host_memory import host_memory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GuardOptions", "GuardReport", "TorchTrainer", "get_guard", "prepare_data_loader",
-           "prepare_model", "prepare_optimizer"]
+__all__ = ["GuardOptions", "GuardReport", "TorchTrainer", "get_guard", "iter_torch_batches",
+           "prepare_data_loader", "prepare_model", "prepare_optimizer"]
 
 
 # -- options -------------------------------------------------------------------------------------
@@ -324,3 +326,20 @@ def prepare_optimizer(optimizer: Any) -> Any:
     """Returns ``optimizer``, hooked: its ``step()`` ends the guard's step (the loop marks
     nothing). Wrap the one optimizer the loop steps once per training step."""
     return current_guard().prepare_optimizer(optimizer)
+
+
+def iter_torch_batches(shard: Any, **kwargs: Any) -> GuardedBatches:
+    """``shard.iter_torch_batches(**kwargs)`` for a Ray Data shard
+    (``ray.train.get_dataset_shard("train")``), guarded: ``prefetch_batches`` held to the host
+    budget (``host_prefetch_frac`` of host RAM per GPU; yours kept when it fits, else lowered
+    with a warning), raised between epochs that waited for data, each batch's wait timed as the
+    step's data phase. Iterate it once per epoch, as the shard
+    (:class:`~raytrain_guard.runtime.data.ray_batches.GuardedBatches`)."""
+    guard = current_guard().build()
+    batches = GuardedBatches(shard, config=guard.config, host_memory_bytes=host_memory()[0],
+                             gpus_per_node=max(1, guard.ctx.local_world_size),
+                             world_rank=guard.rank, **kwargs)
+    guard.attach_loader(batches)
+    if guard.loader is batches:           # the first is the training data: it opens the steps
+        guard.step_guard.attach_loader(batches)
+    return batches

@@ -30,14 +30,9 @@ def parse_bytes(text: str | int | float, *, field: str = "size",
     80 GiB, not 80 bytes); with a unit (``80B``) any positive size passes. ``at_most``: sizes
     above it are refused (``1e40``).
     """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        m = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", str(text).strip())
-        if not m or m.group(2).lower() not in _BYTE_UNITS:
-            raise InputError(field, "not a size", value=text,
-                             fix="write a number with an optional unit, e.g. 80GiB, 512MiB, 1.5e9")
-        value, unit = float(m.group(1)), m.group(2).lower()
+    value, unit = _number_and_unit(
+        text, _BYTE_UNITS, field, "size",
+        "write a number with an optional unit, e.g. 80GiB, 512MiB, 1.5e9")
     result = value * _BYTE_UNITS[unit]
     if not math.isfinite(result) or result <= 0:
         raise InputError(field, "must be a positive size", value=text, fix="e.g. 80GiB")
@@ -55,14 +50,9 @@ def parse_count(text: str | int | float, *, field: str = "count",
                 at_most: float | None = None) -> int:
     """``"7.5B"`` and ``"7.5e9"`` -> 7500000000. Suffixes K, M, B (or G) and T; counts above
     ``at_most`` are refused."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, suffix = float(text), ""
-    else:
-        m = re.fullmatch(_NUMBER + r"\s*([A-Za-z]?)", str(text).strip())
-        if not m or m.group(2).lower() not in _COUNT_SUFFIX:
-            raise InputError(field, "not a count", value=text,
-                             fix="write a number with an optional K/M/B/T suffix, e.g. 7.5B or 7.5e9")
-        value, suffix = float(m.group(1)), m.group(2).lower()
+    value, suffix = _number_and_unit(
+        text, _COUNT_SUFFIX, field, "count",
+        "write a number with an optional K/M/B/T suffix, e.g. 7.5B or 7.5e9")
     result = value * _COUNT_SUFFIX[suffix]
     if not math.isfinite(result) or result < 1:
         raise InputError(field, "must be a positive count", value=text, fix="e.g. 7B")
@@ -70,6 +60,16 @@ def parse_count(text: str | int | float, *, field: str = "count",
         raise InputError(field, f"above {at_most:.0e}, beyond any real count", value=text,
                          fix="check the suffix, e.g. 7B or 1.5T")
     return int(round(result))
+
+
+def _number_and_unit(text, units, field: str, what: str, fix: str) -> tuple[float, str]:
+    """``text`` as (number, its unit: a key of ``units``); a bare number has unit ""."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text), ""
+    m = re.fullmatch(_NUMBER + r"\s*([A-Za-z]*)", str(text).strip())
+    if not m or m.group(2).lower() not in units:
+        raise InputError(field, f"not a {what}", value=text, fix=fix)
+    return float(m.group(1)), m.group(2).lower()
 
 
 def format_bytes(n: float) -> str:

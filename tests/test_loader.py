@@ -427,6 +427,7 @@ def test_device_prefetch_keeps_order_and_depth_changes_at_run_time(loaders):
         got += b.tolist()
         if i == 2:
             assert loader.set_device_prefetch_depth(3) == 3
+            assert loader._pipeline.stage._depth == 3      # the live stage keeps 3 ready
     assert got == plain
     assert loader.device_prefetch_depth == 3
 

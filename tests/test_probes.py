@@ -45,9 +45,9 @@ def run_steps(guard: StepGuard, steps):
 
 # -- probes ------------------------------------------------------------------------------------
 def test_memory_reading_fractions():
-    # max(used 60, reserved 80) / 100 = 0.8; used alone 0.6.
+    # max(used 60, reserved 80) / 100 = 0.8; cached: (80 - 60) / 100 = 0.2.
     r = MemoryReading(used_bytes=60, reserved_bytes=80, total_bytes=100)
-    assert r.frac == 0.8 and r.used_frac == 0.6
+    assert r.frac == 0.8 and r.cached_frac == 0.2
 
 
 def test_scripted_probe_script_errors_and_repeat():

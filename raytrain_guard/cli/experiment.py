@@ -92,7 +92,7 @@ def experiment_setup(args: argparse.Namespace) -> Any:
         seed=args.seed, strategy=args.strategy,
         device_memory_bytes=size(args.device_memory, "--device-memory")
         if args.device_memory else None,
-        device_step_ms=getattr(args, "device_step_ms", None),
+        device_step_ms=args.device_step_ms,
         micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         factories=given or dict(runner.BUILT_IN), num_samples=args.num_samples,
         max_failures=args.max_failures, collective_timeout_s=args.collective_timeout)

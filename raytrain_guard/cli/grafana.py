@@ -10,7 +10,6 @@ from raytrain_guard.cluster.grafana import dashboard_json
 
 
 def add_grafana_dashboard_command(subparsers) -> None:
-    """``raytrain-guard grafana-dashboard``: the guard's Grafana dashboard, as JSON."""
     p = subparsers.add_parser(
         "grafana-dashboard", help="print the Grafana dashboard of the guard's metrics (JSON)",
         description="Write the Grafana dashboard of the guard's metrics: per-rank step time and "

@@ -28,7 +28,6 @@ from raytrain_guard.units import format_bytes
 
 
 def add_plan_command(subparsers) -> None:
-    """``raytrain-guard plan``: will the job fit, and with which settings."""
     p = subparsers.add_parser(
         "plan", help="capacity plan: does it fit, largest micro-batch, buckets, DataLoader",
         description="Plan a data-parallel training job: per-GPU memory against the headroom "
@@ -186,17 +185,12 @@ def _plan_from_flags(args: argparse.Namespace) -> int:
                   list_backed_dataset=list_backed, bandwidth_curve=curve(args),
                   config=config, auto_micro_batch=args.micro_batch is None,
                   pin_memory=not args.no_pin_memory,
-                  fsdp_grad_sync=getattr(args, "fsdp_grad_sync", None) or "auto")
+                  fsdp_grad_sync=args.fsdp_grad_sync or "auto")
     data = result.to_dict()
-    data["warnings"] = list(_unit_warnings(args, model, setup)) + data["warnings"]
-    data["num_params"] = model.num_params
-    data["num_trainable_params"] = model.num_trainable_params
-    data["gpus_per_node"] = gpus
-    data["notes"] = list(extra) + list(data_notes) + data["notes"]
-    if args.json:
-        print(json.dumps(data, indent=2, sort_keys=False))
-    else:
-        print(format_plan(data))
+    data.update(warnings=list(_unit_warnings(args, model, setup)) + data["warnings"],
+                num_params=model.num_params, num_trainable_params=model.num_trainable_params,
+                gpus_per_node=gpus, notes=list(extra) + list(data_notes) + data["notes"])
+    print(json.dumps(data, indent=2) if args.json else format_plan(data))
     return EXIT_OK if result.fits else EXIT_DOES_NOT_FIT
 
 
@@ -216,9 +210,8 @@ def format_plan(d: dict[str, Any]) -> str:
             rows.append((f"  {key}", format_bytes(d["breakdown"][key])))
     rows.append(("  peak phase", d["peak_phase"]))
     rows.append(("free in budget", format_bytes(d["free_bytes"])))
-    largest = d["max_micro_batch"]
-    largest_txt = "no limit derived" if largest is None else str(largest)
-    rows.append(("micro_batch", f"{d['micro_batch']} (largest that fits: {largest_txt})"))
+    largest = "no limit derived" if d["max_micro_batch"] is None else d["max_micro_batch"]
+    rows.append(("micro_batch", f"{d['micro_batch']} (largest that fits: {largest})"))
     rows.append(("grad_accum", (f"{d['grad_accum']} -> global batch {d['global_batch']} = "
                                f"{d['micro_batch']} x {d['grad_accum']} x {d['world_size']}")))
     options = sorted(d.get("fsdp_grad_sync_options") or (), key=lambda o: not o["chosen"])
@@ -240,23 +233,21 @@ def format_plan(d: dict[str, Any]) -> str:
     else:
         rows.append(("bucket_cap_mb", "n/a"))
     loader = d["dataloader"]
-    if loader is not None:
-        rows.append(("DataLoader", (f"num_workers {loader['num_workers']}, prefetch_factor "
-                                   f"{loader['prefetch_factor']}: {loader['reason']}")))
-    else:
-        rows.append(("DataLoader", "not sized"))
+    rows.append(("DataLoader", "not sized" if loader is None else (
+        f"num_workers {loader['num_workers']}, prefetch_factor {loader['prefetch_factor']}: "
+        f"{loader['reason']}")))
     width = max(len(k) for k, _ in rows) + 2
     lines = [f"{k:<{width}}{v}" for k, v in rows]
-    for title, key in (("warnings", "warnings"), ("notes", "notes")):
+    for key in ("warnings", "notes"):
         if d[key]:
-            lines.append(f"{title}:")
+            lines.append(f"{key}:")
             lines.extend(f"  - {item}" for item in d[key])
     return "\n".join(lines)
 
 
 def _unit_warnings(args, model, setup) -> tuple[str, ...]:
     """The FSDP unit assumed for a plan from ``--params`` alone, said once."""
-    if args.params is None or getattr(args, "fsdp_unit_params", None) is not None or \
+    if args.params is None or args.fsdp_unit_params is not None or \
             setup.strategy.value not in ("fsdp-full", "fsdp-grad-op"):
         return ()
     return ((f"FSDP unit size unknown (--params alone): assumed the largest unit holds "

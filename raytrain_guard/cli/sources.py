@@ -25,10 +25,13 @@ from raytrain_guard.planner.model_stats import ActivationProfile, ModelStats
 from raytrain_guard.runtime.host_memory import host_memory
 from raytrain_guard.units import format_bytes, parse_count
 
+#: the transformer shape's flags, as argparse names them
+SHAPE = ("layers", "hidden", "heads", "seq_len", "vocab")
+
 
 def model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
     """(ModelStats, ActivationProfile, notes) from exactly one of the three model sources."""
-    shape_flags = [args.layers, args.hidden, args.heads, args.seq_len, args.vocab]
+    shape_flags = [getattr(args, name) for name in SHAPE]
     given = [name for name, on in (("--params", args.params is not None),
                                    ("--model", args.model is not None),
                                    ("--layers/--hidden/...", any(f is not None
@@ -53,7 +56,7 @@ def model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
                                      "give --activation-bytes-per-sample as measured with it"
                                      if source == "--params" else
                                      "the trace measures the model as its factory builds it"))
-    unit_flag = getattr(args, "fsdp_unit_params", None)
+    unit_flag = args.fsdp_unit_params
     if unit_flag is not None and args.params is None:
         raise PlanInputError("--fsdp-unit-params", "only applies with --params", value=unit_flag,
                              fix="drop it: the shape and the trace know the model's FSDP units")
@@ -77,8 +80,7 @@ def model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
         notes = ((f"traced {args.model} in {traced.trace_s:.1f} s ({traced.mode} device), "
                  f"loss: {traced.loss}"),) + traced.warnings
         return traced.model_stats, traced.activations, notes
-    missing = [f"--{n.replace('_', '-')}" for n, v in zip(
-        ("layers", "hidden", "heads", "seq_len", "vocab"), shape_flags) if v is None]
+    missing = [f"--{n.replace('_', '-')}" for n, v in zip(SHAPE, shape_flags) if v is None]
     if missing:
         raise PlanInputError(missing[0], "is required with the other shape flags",
                              fix="give all of --layers --hidden --heads --seq-len --vocab")
@@ -91,13 +93,10 @@ def model_source(args, setup) -> tuple[Any, Any, tuple[str, ...]]:
         options["ffn_hidden"] = positive_int(args.ffn_hidden, "--ffn-hidden")
     if args.kv_heads is not None:
         options["num_kv_heads"] = positive_int(args.kv_heads, "--kv-heads")
-    model, acts = analytic_transformer(
-        layers=positive_int(args.layers, "--layers"), hidden=positive_int(args.hidden,
-                                                                          "--hidden"),
-        heads=positive_int(args.heads, "--heads"), seq_len=positive_int(args.seq_len,
-                                                                          "--seq-len"),
-        vocab=positive_int(args.vocab, "--vocab"), precision=setup.precision,
-        recompute=args.recompute or "none", attention=args.attention or "flash", **options)
+    dims = {n: positive_int(v, f"--{n.replace('_', '-')}") for n, v in zip(SHAPE, shape_flags)}
+    model, acts = analytic_transformer(**dims, precision=setup.precision,
+                                       recompute=args.recompute or "none",
+                                       attention=args.attention or "flash", **options)
     return model, acts, acts.notes
 
 
@@ -116,7 +115,7 @@ def _unit_params(text, num_params: int) -> int:
 
 def data_source(args, config) -> tuple[int | None, float | None, bool, tuple[str, ...]]:
     """(batch_bytes, sample_bytes, list_backed, notes) from --batch-bytes, --dataset, --sample.
-    Only a measured batch imports torch (batch_inspect): a plan from sizes alone takes ~0.2 s."""
+    Only a measured batch imports torch (batch_inspect)."""
     if args.batch_bytes is not None:
         return size(args.batch_bytes, "--batch-bytes"), None, False, ()
     if args.dataset is None and args.sample is None:
@@ -146,8 +145,7 @@ def plan_config(args) -> GuardConfig:
     config = GuardConfig.from_toml(args.config) if args.config else GuardConfig()
     for flag, value, field_name, example in (
             ("--headroom", args.headroom, "headroom_frac", "0.15 or 15%"),
-            ("--fragmentation", getattr(args, "fragmentation", None), "fragmentation_frac",
-             "0.14 or 14%")):
+            ("--fragmentation", args.fragmentation, "fragmentation_frac", "0.14 or 14%")):
         if value is None:
             continue
         text = str(value).strip()

@@ -11,7 +11,6 @@ from raytrain_guard.cluster.status import format_status, read_status
 
 
 def add_status_command(subparsers) -> None:
-    """``raytrain-guard status``: the live coordinator's view of a running guarded training."""
     p = subparsers.add_parser(
         "status", help="nodes, ranks, memory, step time, stragglers and decisions of a live run",
         description="Read the live coordinator of a guarded run (found by name in the "

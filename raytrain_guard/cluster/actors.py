@@ -1,10 +1,5 @@
-"""The monitor and the coordinator as Ray actors (the only module that starts them).
-
-:func:`start_monitors` puts one :class:`~raytrain_guard.cluster.monitor.monitor.NodeMonitor`
-of the run on each alive node (``num_cpus=0``, pinned to the node, its samples sent to the
-run's coordinator through a :class:`~raytrain_guard.coordination.link.CoordinatorLink`);
-:func:`start_coordinator` starts the run's coordinator; :func:`stop_all` kills a run's actors.
-Actors are named per run in the namespace, so two runs keep apart: docs/cluster.md.
+"""The monitor and the coordinator as Ray actors (the only module that starts them), named per
+run in the namespace, so two runs keep apart (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -27,9 +22,7 @@ from raytrain_guard.coordination.link import (
 
 logger = logging.getLogger(__name__)
 
-MAX_QUEUED_SAMPLES = 8
-"""Samples a monitor's link holds while the coordinator is slow before it drops new ones: 8
-monitor intervals of slack, far beyond a healthy round trip."""
+MAX_QUEUED_SAMPLES = 8      # samples a monitor holds while the coordinator is slow
 
 ProbeFactory = Callable[[str], "tuple[Any, Any]"]
 """``probe_factory(node_id) -> (gpu_probe, host_probe)``; None in a slot builds the real probe.
@@ -73,15 +66,9 @@ class _MonitorActor(NodeMonitor):
 
 
 class _CoordinatorActor(Coordinator):
-    """Coordinator with its Ray metrics created inside the actor, and what the train workers
-    and Ray Train's controller hand it besides step reports (the drop-in's channel,
-    :mod:`raytrain_guard.train`):
-
-    * ``report_summary(world_rank, summary)`` / ``summaries() -> {rank: summary}``: each rank's
-      end-of-run figures (the latest per rank);
-    * ``record_train_event(event)`` / ``train_events() -> list``: reports and worker exceptions
-      as Ray Train's controller saw them (a ``UserCallback``): attempts and restarts.
-    """
+    """Coordinator with its Ray metrics created inside the actor, and the drop-in's channel
+    (:mod:`raytrain_guard.train`): each rank's end-of-run summary, and the reports and worker
+    exceptions Ray Train's controller saw (``record_train_event``)."""
 
     def __init__(self, run_id: str, config: GuardConfig, attempt: int,
                  run_name: str | None = None) -> None:
@@ -112,16 +99,10 @@ class _CoordinatorActor(Coordinator):
 def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = None,
                    probe_factory: ProbeFactory | None = None, *, max_restarts: int = -1,
                    ready_timeout_s: float | None = 60.0) -> dict[str, Any]:
-    """One monitor of ``run_id`` per alive node; returns ``{node_id: handle}``. Idempotent:
-    named :func:`monitor_name` with ``get_if_exists``, so calling it again adds monitors to new
-    nodes only. Each is pinned with ``NodeAffinitySchedulingStrategy(node_id, soft=False)`` and
-    keyed on Ray's node id, never on an IP-based node rank (nodes may share an IP); it has
-    NodeMonitor's methods plus ``where()``.
-
-    With ``ready_timeout_s`` it waits for every monitor to say where it runs, and warns of one
-    that does not answer or runs on another node (it is still returned: monitoring fails
-    open).
-    """
+    """One monitor of ``run_id`` per alive node, pinned to it and keyed on Ray's node id (nodes
+    may share an IP); returns ``{node_id: handle}``. Idempotent: calling it again adds monitors
+    to new nodes only. With ``ready_timeout_s`` it warns of a monitor that does not answer or
+    runs on another node (monitoring fails open)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -150,9 +131,8 @@ def start_monitors(namespace: str, run_id: str, config: GuardConfig | None = Non
 def start_coordinator(namespace: str, run_id: str, config: GuardConfig | None = None, *,
                       attempt: int = 0, max_restarts: int = -1,
                       run_name: str | None = None) -> Any:
-    """The run's coordinator actor (``raytrain_guard:coordinator:<run id>``). Idempotent.
-    ``run_name``: Ray Train's run name, the ``ray_train_run_name`` label of its metrics
-    (default: the run id)."""
+    """The run's coordinator actor. Idempotent. ``run_name``: the ``ray_train_run_name`` label of
+    its metrics (default: the run id)."""
     import ray
     return ray.remote(_CoordinatorActor).options(
         name=coordinator_name(run_id), namespace=namespace, get_if_exists=True, num_cpus=0,
@@ -161,20 +141,17 @@ def start_coordinator(namespace: str, run_id: str, config: GuardConfig | None = 
 
 
 def stop_all(namespace: str, run_id: str | None = None) -> list[str]:
-    """Kill the monitors and the coordinator of ``run_id`` in ``namespace`` (every run's when
-    None), without restart; another run's actors are left alone. Returns the names killed."""
+    """Kill the monitors and the coordinator of ``run_id`` (every run's when None) in
+    ``namespace``, without restart. Returns the names killed."""
     import ray
     killed = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         name = entry.get("name", "")
-        if entry.get("namespace") != namespace:
-            continue
         if run_id is None:
             wanted = name.startswith((MONITOR_PREFIX, COORDINATOR_PREFIX))
         else:
-            wanted = name == coordinator_name(run_id) or (
-                name.startswith(monitor_name(run_id, "")))
-        if not wanted:
+            wanted = name == coordinator_name(run_id) or name.startswith(monitor_name(run_id, ""))
+        if entry.get("namespace") != namespace or not wanted:
             continue
         try:
             ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)

@@ -1,16 +1,7 @@
-"""The guard's Grafana dashboard, generated from the metrics the package exports (pure).
-
-``raytrain-guard grafana-dashboard > raytrain_guard.json`` writes it, for the Grafana Ray's
-metrics setup provisions (import it, or copy it into the session's
-``metrics/grafana/dashboards``). Panels: per-rank step time, phases, data wait, memory against
-its lines, straggler scores and causes, decisions (also as annotations), hangs, DataLoader
-settings; node GPU memory, utilization, temperature and throttling (:data:`GPU_PANELS`, empty
-without a GPU), host and worker memory. Variables: ``run`` (``ray_train_run_name``, as Ray
-Train's own panels) and ``node``.
-
-Counters are read with :func:`recent`, not ``increase``: Ray exports a counter from its first
-increment on, so ``increase`` misses that first event. Every query names its metric through
-:func:`series`, which refuses a name the package does not export.
+"""The guard's Grafana dashboard, generated from the metrics the package exports (pure):
+``raytrain-guard grafana-dashboard > raytrain_guard.json``. Variables: ``run``
+(``ray_train_run_name``, as Ray Train's own panels) and ``node``. Every query names its metric
+through :func:`series`, which refuses a name the package does not export.
 """
 
 from __future__ import annotations
@@ -41,10 +32,9 @@ def series(name: str) -> str:
 
 
 def recent(selector: str, window: str) -> str:
-    """How much the counters ``selector`` grew over the last ``window``, per series, counting a
-    series that appeared within it from 0: ``X - (X offset W or X * 0)``. Ray exports a counter
-    only from its first increment on, so its first sample is already 1; ``increase(X[W])``
-    reads that as no growth, this reads it as 1."""
+    """How much the counters ``selector`` grew over the last ``window``, counting a series that
+    appeared within it from 0. Ray exports a counter only from its first increment on, so
+    ``increase(X[W])`` would miss that first event."""
     return f"{selector} - ({selector} offset {window} or {selector} * 0)"
 
 
@@ -227,4 +217,3 @@ def dashboard() -> dict[str, Any]:
 
 def dashboard_json() -> str:
     return json.dumps(dashboard(), indent=2, sort_keys=False) + "\n"
-

@@ -5,14 +5,7 @@
     summary = launch({"model_factory": "examples.toy:make_model", ...}, num_workers=2)
     print(summary.format())
 
-:func:`launch` plans first (:func:`~raytrain_guard.cluster.planning.traced_plan`) and refuses a
-plan that does not fit with :class:`~raytrain_guard.cluster.planning.PlanDoesNotFit` unless
-``force=True``; starts one node monitor per node and the run's coordinator
-(:mod:`raytrain_guard.cluster.actors`); runs a ``TorchTrainer`` with the shared train loop and a
-:class:`~raytrain_guard.coordination.client.ClusterDecisionSource`, so every rank applies the
-coordinator's decisions in lockstep (a ``progress`` callback sees its status meanwhile); tears
-the actors down, also when training fails; and returns a
-:class:`~raytrain_guard.cluster.summary.RunSummary`. What runs where: docs/cluster.md.
+What runs where: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -56,19 +49,18 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
            decision_source: Callable[[str, str, Mapping[str, Any]], Any] | None = None,
            fixes: Sequence[str] | None = None,
            collective_timeout_s: float | None = None) -> RunSummary:
-    """Plan, start the guard's actors, train, tear down, summarize (see the module docstring).
+    """Plan the run (a plan that does not fit raises :class:`PlanDoesNotFit` unless
+    ``force``), start one node monitor per node and the run's coordinator, train with a
+    ``TorchTrainer`` whose ranks apply the coordinator's decisions in lockstep, tear the actors
+    down (also when training fails) and return the :class:`RunSummary`.
 
-    ``plan``: a planner :class:`Plan` to use instead of tracing the model (``False``: skip
-    planning). ``config`` and the train loop's ``guard`` entry (a :class:`GuardConfig` or a
-    dict of its fields, which wins over ``config``) make one effective config
-    (:func:`effective_config`): the plan, the monitors, the coordinator and every worker use
-    that one, so thresholds and K agree everywhere. Ray is initialized (locally, in ``namespace``)
-    unless the caller already did. ``decision_source(run_id, namespace, guard) -> source``
-    replaces the default :class:`ClusterDecisionSource` (e.g. a subclass that logs timings).
-    ``fixes``: what the caller's user can change when the plan does not fit (:func:`check_plan`).
-    ``collective_timeout_s``: the process group's timeout (Ray Train's default: 1800 s).
-    ``storage_path`` and the loop's folders (:func:`absolute_paths`) are made absolute here:
-    a worker would resolve a relative one in its own working directory (Ray's session folder).
+    ``plan``: a planner ``Plan`` to use instead of tracing the model (``False``: skip
+    planning). ``config`` and the train loop's ``guard`` entry (which wins) make the one
+    config of the run (:func:`effective_config`), used everywhere. Ray is initialized locally
+    unless the caller did. ``decision_source(run_id, namespace, guard)`` replaces the default
+    :class:`ClusterDecisionSource`. ``fixes``: what the caller's user can change when the plan
+    does not fit. ``collective_timeout_s``: the process group's timeout (Ray Train's default:
+    1800 s). Relative paths are made absolute here, from the driver's working directory.
     """
     train_loop_config = absolute_paths(train_loop_config)
     storage_path = os.path.abspath(storage_path) if storage_path else storage_path
@@ -130,8 +122,7 @@ def launch(train_loop_config: Mapping[str, Any], *, num_workers: int = 2,
 def guard_actors(namespace: str, run_id: str, config: GuardConfig, *, run_name: str,
                  probe_factory: Any = None) -> Iterator[Any]:
     """The run's node monitors and coordinator, started (yields the coordinator's handle) and
-    stopped when the block ends, also when training fails; a failed teardown is logged, never
-    raised over the run's own error."""
+    stopped when the block ends; a failed teardown is logged, never raised."""
     try:
         # keep the handles: a named, non-detached actor dies with its owner's last handle
         monitors = start_monitors(namespace, run_id, config, probe_factory)
@@ -142,17 +133,16 @@ def guard_actors(namespace: str, run_id: str, config: GuardConfig, *, run_name: 
     finally:
         try:
             stop_all(namespace, run_id)
-        except Exception:  # noqa: BLE001 - teardown must not hide the run's own error
+        except Exception:  # teardown must not hide the run's own error
             logger.warning("stopping the guard's actors failed", exc_info=True)
 
 
-#: the train loop's folders: what its ranks write (trace, audit) and the faults' markers
+#: the train loop's folders its ranks write to
 LOOP_PATH_KEYS = ("trace_dir", "audit_dir")
 
 
 def absolute_paths(train_loop_config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``train_loop_config`` with its folders (:data:`LOOP_PATH_KEYS`, ``faults["marker_dir"]``)
-    absolute, from the driver's working directory (pure; the config itself is not changed)."""
+    """``train_loop_config`` with its folders absolute, from the driver's working directory."""
     config = dict(train_loop_config)
     for key in LOOP_PATH_KEYS:
         if config.get(key):
@@ -165,7 +155,7 @@ def absolute_paths(train_loop_config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def worker_range(num_workers: Any) -> tuple[int, int]:
     """``num_workers`` as Ray Train takes it (an integer, or ``(min, max)`` for an elastic
-    run) -> ``(min, max)``; a bad value raises InputError naming it (pure)."""
+    run) -> ``(min, max)``; InputError for a bad value."""
     fix = "e.g. 2, or (2, 4)"
     if not isinstance(num_workers, (tuple, list)):
         count = check_int("num_workers", num_workers, at_least=1, fix=fix)
@@ -183,9 +173,8 @@ def worker_range(num_workers: Any) -> tuple[int, int]:
 def elastic_loop_config(train_loop_config: Mapping[str, Any], fewest: int, most: int,
                         max_failures: int) -> dict[str, Any]:
     """The loop's config for an elastic run of ``fewest``..``most`` workers: a ``global_batch``
-    (the config's, else micro_batch x grad_accum x ``most``) that every size shares evenly, so
-    the run trains the same steps at any size; refused when some size cannot share it, or when
-    ``max_failures`` is 0 (Ray Train counts a lost worker as a failure) (pure)."""
+    that every size shares evenly, so the run trains the same steps at any size; refused when
+    some size cannot share it, or when ``max_failures`` is 0 (a lost worker is a failure)."""
     if max_failures == 0:
         raise InputError("max_failures", "an elastic run restarts at a new size through Ray "
                          "Train's failure handling, and 0 allows no restart", value=max_failures,
@@ -210,8 +199,8 @@ def _global_batch(train_loop_config: Mapping[str, Any], workers: int) -> int:
 
 def layout_on(train_loop_config: Mapping[str, Any], workers: int) -> Mapping[str, Any]:
     """The loop's config with the micro-batch and accumulation the loop lays a
-    ``global_batch`` out in on ``workers`` ranks (:func:`relayout`); unchanged without one, or
-    when it cannot be shared (the loop refuses that itself) (pure)."""
+    ``global_batch`` out in on ``workers`` ranks; unchanged without one or when it cannot be
+    shared (the loop refuses that itself)."""
     global_batch = train_loop_config.get("global_batch")
     if not global_batch:
         return train_loop_config
@@ -223,7 +212,7 @@ def layout_on(train_loop_config: Mapping[str, Any], workers: int) -> Mapping[str
 
 def with_planned_grad_sync(train_loop_config: Mapping[str, Any], plan: Any) -> Mapping[str, Any]:
     """The loop's config with the FSDP gradient sync the plan chose, where the config leaves it
-    to the planner (``fsdp_grad_sync`` missing or ``"auto"``); unchanged otherwise (pure)."""
+    to the planner (``"auto"``)."""
     chosen = getattr(plan, "fsdp_grad_sync", None) if plan not in (None, False) else None
     if chosen and train_loop_config.get("fsdp_grad_sync", "auto") == "auto":
         return {**train_loop_config, "fsdp_grad_sync": chosen}
@@ -231,9 +220,8 @@ def with_planned_grad_sync(train_loop_config: Mapping[str, Any], plan: Any) -> M
 
 
 def effective_config(config: GuardConfig | None, guard: Any) -> GuardConfig:
-    """The one config of a run: ``config`` (default :class:`GuardConfig`) with the train loop's
-    ``guard`` over it. ``guard`` may be None, a :class:`GuardConfig` (used as it is) or a dict
-    of fields (each replaces ``config``'s; unknown keys and bad values raise ConfigError)."""
+    """The one config of a run: ``config`` with the train loop's ``guard`` over it (None, a
+    GuardConfig used as it is, or a dict of fields, each replacing ``config``'s)."""
     base = config or GuardConfig()
     if guard is None:
         return base

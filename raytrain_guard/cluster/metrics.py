@@ -1,10 +1,7 @@
-"""Ray metrics of the node monitors and the coordinator (``ray.util.metrics``).
-
-Every metric is named ``raytrain_guard_<what>_<unit>`` (Prometheus sees it with Ray's ``ray_``
-prefix); tag values are strings. The objects are created in the actor that records them: the
-monitor records once per sample, the coordinator once per policy round. The coordinator's
-carry the run name (``ray_train_run_name``), the nodes' ``node_id`` and ``gpu``.
-:data:`EXPORTED` lists every metric the package exports, these and the ranks'.
+"""Ray metrics of the node monitors and the coordinator (``ray.util.metrics``), created in the
+actor that records them: the monitor once per sample, the coordinator once per policy round.
+Every metric is named ``raytrain_guard_<what>_<unit>``; :data:`EXPORTED` lists every metric the
+package exports, these and the ranks'.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ _RUN = ("run_id", RUN_NAME_TAG)
 _WORKER = ("node_id", "pid", "world_rank")
 
 # node monitors
-GPU_GAUGES = {   # NodeSample GpuSample field -> metric name
+GPU_GAUGES = {   # GpuSample field -> metric name
     "memory_used_bytes": declare("gpu_memory_used_bytes", "gauge", *_GPU),
     "memory_total_bytes": declare("gpu_memory_total_bytes", "gauge", *_GPU),
     "memory_frac": declare("gpu_memory_frac", "gauge", *_GPU),
@@ -39,7 +36,7 @@ GPU_GAUGES = {   # NodeSample GpuSample field -> metric name
 }
 GPU_THROTTLED = declare("gpu_throttled", "gauge", *_GPU, "reason")
 GPU_MONITORING = declare("gpu_monitoring", "gauge", "node_id")
-HOST_GAUGES = {
+HOST_GAUGES = {  # HostSample field -> metric name
     "memory_available_bytes": declare("host_memory_available_bytes", "gauge", "node_id"),
     "memory_used_frac": declare("host_memory_used_frac", "gauge", "node_id"),
     "swap_used_bytes": declare("host_swap_used_bytes", "gauge", "node_id"),
@@ -55,6 +52,8 @@ STEP_TIME = declare("step_time_seconds", "gauge", *_RUN, "quantile")
 DECISIONS = declare("decisions_total", "counter", *_RUN, "action")
 IGNORED = declare("ignored_reports_total", "counter", *_RUN, "reason")
 HANGS = declare("hangs_total", "counter", *_RUN, WORLD_RANK_TAG, "node_id", "phase", "basis")
+
+
 class NodeMetrics:
     """Gauges for one node monitor's samples, tagged with node id (and GPU index, pid)."""
 
@@ -72,11 +71,8 @@ class NodeMetrics:
         n = 0
         for g in sample.gpus:
             tags = {"node_id": node, "gpu": str(g.index)}
-            values = {"memory_used_bytes": g.memory_used_bytes,
-                      "memory_total_bytes": g.memory_total_bytes, "memory_frac": g.memory_frac,
-                      "utilization_frac": g.utilization_frac, "temperature_c": g.temperature_c,
-                      "power_w": g.power_w}
-            for key, value in values.items():
+            for key in GPU_GAUGES:
+                value = getattr(g, key)
                 if value is not None:
                     self._gpu[key].set(float(value), tags=tags)
                     n += 1
@@ -88,10 +84,8 @@ class NodeMetrics:
         n += 1
         h = sample.host
         if h is not None:
-            host_values = {"memory_available_bytes": h.memory_available_bytes,
-                           "memory_used_frac": h.memory_used_frac,
-                           "swap_used_bytes": h.swap_used_bytes, "cpu_frac": h.cpu_frac}
-            for key, value in host_values.items():
+            for key in HOST_GAUGES:
+                value = getattr(h, key)
                 if value is not None:
                     self._host[key].set(float(value), tags={"node_id": node})
                     n += 1

@@ -1,9 +1,6 @@
 """The plan of a run before it launches: its model traced on the fake device, planned for the
-nodes its workers will run on, and refused when it does not fit.
-
-:func:`plan_model` is the one planning path of the launcher (:func:`traced_plan`, from a train
-loop config) and of the drop-in's ``TorchTrainer`` (from its ``GuardOptions``);
-:func:`check_plan` turns a plan into the summary's line or :class:`PlanDoesNotFit`.
+nodes its workers will run on (:func:`plan_model`, the launcher's and the drop-in's one path),
+and refused when it does not fit (:func:`check_plan`).
 """
 
 from __future__ import annotations
@@ -46,13 +43,9 @@ def plan_model(*, model_factory: Any, sample_factory: Callable[[], Any], loss_fn
                precision: str = "fp32", fsdp_grad_sync: str = "auto",
                device_field: str = "device_memory_bytes") -> tuple[Plan, RunPlan]:
     """The capacity plan of a model traced on the fake device at ``micro_batch``, and the
-    :class:`~raytrain_guard.core.effects.RunPlan` the coordinator prices its actions with.
-
-    The machine is the nodes the workers will run on (:func:`plan_machine`). On CPU the
-    "device" memory is that node's RAM per rank (``config.cpu_memory_budget_bytes`` when set);
-    a GPU run must give ``device_memory_bytes`` (else an InputError naming ``device_field``).
-    ``fsdp_grad_sync`` ``auto``: the planner's choice, in ``Plan.fsdp_grad_sync``.
-    """
+    ``RunPlan`` the coordinator prices its actions with. On CPU the "device" memory is the
+    node's RAM per rank (``config.cpu_memory_budget_bytes`` when set); a GPU run must give
+    ``device_memory_bytes`` (else an InputError naming ``device_field``)."""
     optimizer = optimizer_kind(optimizer_factory)
     traced = trace_model(model_factory, sample_factory, loss=loss_fn, optimizer=optimizer,
                          precision=precision)
@@ -80,9 +73,8 @@ def traced_plan(train_loop_config: Mapping[str, Any], *, num_workers: int,
                 device_memory_bytes: int | None = None, use_gpu: bool = False,
                 config: GuardConfig | None = None, sample_factory: Any = None
                 ) -> tuple[Plan, RunPlan]:
-    """:func:`plan_model` of a train-loop config: its model at its micro-batch, accumulation,
-    precision and FSDP gradient sync, traced on ``sample_factory`` (``() -> batch``) or, by
-    default, the first samples of its dataset collated together."""
+    """:func:`plan_model` of a train-loop config, traced on ``sample_factory`` (``() -> batch``;
+    default: the first samples of its dataset collated together)."""
     loop = LoopConfig.from_dict({k: v for k, v in train_loop_config.items()
                                  if k != "decision_source"})
     return plan_model(
@@ -96,22 +88,16 @@ def traced_plan(train_loop_config: Mapping[str, Any], *, num_workers: int,
 
 
 def cluster_nodes() -> list[NodeResources] | None:
-    """The alive nodes' resources (``ray.nodes()``: CPU, GPU, memory); None when Ray is not
-    initialized. The one function of the plan that calls into Ray."""
-    try:
-        import ray
-    except ImportError:
-        return None
+    """The alive nodes' resources; None when Ray is not initialized."""
+    import ray
     if not ray.is_initialized():
         return None
     return [NodeResources.from_ray(n) for n in ray.nodes() if n.get("Alive")]
 
 
 def plan_machine(*, num_workers: int, use_gpu: bool) -> PlanMachine:
-    """The machine a run's plan is for (:func:`~raytrain_guard.planner.placement.place_workers`):
-    the nodes the workers will run on when Ray is initialized, packed as Ray's placement does;
-    else the driver's machine with every worker on it (its RAM as the run may use it, its
-    CPUs)."""
+    """The machine a run's plan is for: the nodes the workers will run on when Ray is
+    initialized, packed as Ray's placement does; else the driver's machine with every worker."""
     nodes = cluster_nodes()
     if nodes:
         return place_workers(nodes, num_workers=num_workers, use_gpu=use_gpu)
@@ -150,12 +136,9 @@ def optimizer_kind(optimizer_factory: Callable[[Any], Any]) -> str:
 
 
 def check_plan(plan: Any, *, force: bool, fixes: Sequence[str] | None = None) -> str:
-    """One line for the summary; raises :class:`PlanDoesNotFit` unless it fits or ``force``.
-
-    The message is the plan's arithmetic and what would make it fit: the planner's advice and
-    ``force=True`` by default, or ``fixes`` in the caller's user's words
-    (``("pass --workers 20 or fewer",)``), which replace both.
-    """
+    """One line for the summary; raises :class:`PlanDoesNotFit` unless it fits or ``force``,
+    with the plan's arithmetic and what would make it fit: the planner's advice and
+    ``force=True``, or ``fixes`` in the caller's user's words, which replace both."""
     line = (f"{'fits' if plan.fits else 'DOES NOT FIT'}: micro_batch {plan.micro_batch} x "
             f"grad_accum {plan.grad_accum} x {plan.setup.world_size} ranks; "
             f"{format_bytes(plan.total_bytes)} of {format_bytes(plan.budget_bytes)} budget")

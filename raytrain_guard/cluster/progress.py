@@ -1,6 +1,4 @@
-"""A run's progress while it trains: the coordinator's status read on a thread
-(:class:`ProgressWatcher`), as one line (:func:`progress_line`) and a ``progress`` callback that
-prints it (:class:`ProgressPrinter`)."""
+"""A run's progress while it trains: the coordinator's status read on a thread, as one line."""
 
 from __future__ import annotations
 
@@ -16,10 +14,8 @@ logger = logging.getLogger(__name__)
 
 class ProgressWatcher:
     """Reads the coordinator's status every ``interval_s`` on a thread (kept in ``latest``, for
-    the summary should the coordinator die) and hands it to ``progress`` when given.
-
-    :meth:`read_now` is the one method that touches ``ray.get`` (with a timeout).
-    """
+    the summary should the coordinator die) and hands it to ``progress``. :meth:`read_now` is
+    the one method that touches ``ray.get``."""
 
     def __init__(self, coordinator: Any, progress: Callable[[Mapping[str, Any]], None] | None,
                  interval_s: float) -> None:
@@ -63,13 +59,9 @@ class ProgressWatcher:
 def progress_line(status: Mapping[str, Any], total_steps: int | None = None,
                   started: float | None = None, clock: Callable[[], float] = time.monotonic
                   ) -> str:
-    """A one-line live view of a coordinator status (pure, given the clock).
-
-    ``rank mem``: the highest of the ranks' own memory figures (device memory; on CPU the
-    process against its RAM budget). ``node GPU mem``: the fullest GPU the node monitors read,
-    when they read any. ``active decisions``: those still to apply or in force (the coordinator's
-    ``active_decisions``), so the count goes down as well as up; the summary lists every one.
-    """
+    """A one-line live view of a coordinator status. ``rank mem``: the highest of the ranks'
+    own memory figures; ``node GPU mem``: the fullest GPU the node monitors read, if any;
+    ``active decisions``: those still to apply or in force."""
     step = status.get("latest_step")
     ranks = status.get("ranks") or {}
     mem = [r.get("memory_frac") for r in ranks.values()
@@ -84,10 +76,9 @@ def progress_line(status: Mapping[str, Any], total_steps: int | None = None,
              f"{len(ranks)} ranks",
              f"step p50 {p50:.3f} s p99 {p99:.3f} s" if p50 is not None and p99 is not None
              else "step time -",
-             # a rank's own figure: its device memory, or on CPU its process of its RAM budget
              f"rank mem {max(mem):.0%}" if mem else "rank mem -"]
     if gpu:
-        parts.append(f"node GPU mem {max(gpu):.0%}")       # the node monitors' NVML reading
+        parts.append(f"node GPU mem {max(gpu):.0%}")
     parts.append(f"active decisions {len(status.get('active_decisions') or [])}")
     if started is not None:
         parts.append(f"{clock() - started:.0f} s")
@@ -95,10 +86,9 @@ def progress_line(status: Mapping[str, Any], total_steps: int | None = None,
 
 
 class ProgressPrinter:
-    """A ``progress`` callback for :func:`launch` that writes :func:`progress_line` to ``out``:
-    on a terminal one line redrawn in place (cut to the terminal's width, so a narrow one does
-    not wrap it into copies); in a log, a line each time the step moves on (the same step is
-    not written again while the run ends)."""
+    """A ``progress`` callback for ``launch`` that writes :func:`progress_line` to ``out``: on a
+    terminal one line redrawn in place (cut to its width, so it does not wrap); in a log, a
+    line each time the step moves on."""
 
     def __init__(self, out: TextIO, total_steps: int | None = None,
                  started: float | None = None,

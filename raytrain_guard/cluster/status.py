@@ -1,18 +1,9 @@
 """``raytrain-guard status``: read the live coordinator's status and print it.
 
-Connects to a running Ray cluster (``--address``, default ``auto``), finds the coordinator actor
-by name (``raytrain_guard:coordinator:<run id>``) in the run's namespace, asks for
-``Coordinator.status()`` and prints nodes, ranks, memory, step time p50/p99, straggler scores,
-active decisions and the rank named for each hang (or the raw dict with ``--json``).
-
-Ray 2.60 turns token authentication on when a cluster has a token; a client must then run with
-``RAY_AUTH_MODE=token``. :func:`enable_token_auth_if_token_exists` sets it for the user when a
-token exists and the variable is unset.
-
-An explicit ``--address`` is checked first (:func:`check_reachable`: the host resolves and
-something listens on the port), so a wrong address fails in a second with one line. Past that
-check, :data:`GCS_CONNECT_ENV` bounds Ray's own connection attempt (left alone, it retries an
-address that is not a Ray cluster for minutes).
+Connects to a running Ray cluster (``--address``, default ``auto``), finds the run's coordinator
+by name and prints its ``status()``. An explicit ``--address`` is checked first
+(:func:`check_reachable`), so a wrong one fails in a second with one line; past that,
+:data:`GCS_CONNECT_ENV` bounds Ray's own connection attempt.
 """
 
 from __future__ import annotations
@@ -26,17 +17,15 @@ import socket
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
-from raytrain_guard.coordination.client import COORDINATOR_PREFIX
+from raytrain_guard.coordination.link import COORDINATOR_PREFIX, coordinator_name
 from raytrain_guard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "raytrain_guard"
 
-#: Ray's GCS connection knobs while ``status`` connects (environment variables Ray reads when
-#: its client starts; a value the user set wins). Ray's defaults retry an address that is not a
-#: Ray cluster 20 times, each two 5 s connects (GCS, pubsub) and a 30 s wait for the cluster
-#: id: over ten minutes. With these, one try: about 12 s, plus the import of Ray.
+#: Ray's GCS connection knobs while ``status`` connects (a value the user set wins): Ray's
+#: defaults retry an address that is not a Ray cluster for over ten minutes; these, about 12 s.
 GCS_CONNECT_ENV = {
     "RAY_gcs_rpc_server_connect_timeout_s": "4",   # one connect attempt (Ray's default 5)
     "RAY_py_gcs_connect_timeout_s": "4",           # wait for the cluster id (Ray's default 30)
@@ -59,11 +48,8 @@ class ClusterUnreachableError(InputError):
 
 
 def split_address(address: str | None) -> tuple[str, int] | None:
-    """``(host, port)`` of an explicit cluster address; None for ``auto``/``local``/none (pure).
-
-    Takes ``host:port``, ``[v6]:port`` and ``ray://host:port`` (Ray Client). An ``http(s)://``
-    address is the dashboard's (``ray job submit``), not a cluster address: refused with the fix.
-    """
+    """``(host, port)`` of ``host:port``, ``[v6]:port`` or ``ray://host:port``; None for
+    ``auto``/``local``/none. An ``http(s)://`` address (the dashboard's) is refused."""
     if address is None or address.strip() in ("", "auto", "local"):
         return None
     text = address.strip()
@@ -103,11 +89,8 @@ def check_reachable(address: str | None, *, timeout_s: float = PROBE_TIMEOUT_S,
                     connect: Callable[..., Any] = socket.create_connection,
                     local_ip: Callable[[], str] | None = None) -> None:
     """Raise :class:`ClusterUnreachableError` unless the host of ``address`` resolves and a TCP
-    connection to its port opens within ``timeout_s``. ``None``/``auto``/``local``: no check.
-
-    Ray connects to this machine's node IP when given a loopback host, so for a loopback host
-    the node IP (``local_ip()``, default Ray's) counts too. ``connect`` is the seam for tests.
-    """
+    connection to its port opens within ``timeout_s``. For a loopback host this machine's node
+    IP (``local_ip()``) counts too: Ray connects to that."""
     parsed = split_address(address)
     if parsed is None:
         return
@@ -156,11 +139,9 @@ def _gcs_connect_env(environ: MutableMapping[str, str] | None = None) -> Iterato
 
 def enable_token_auth_if_token_exists(environ: MutableMapping[str, str] | None = None,
                                       home: pathlib.Path | None = None) -> bool:
-    """Set ``RAY_AUTH_MODE=token`` when a Ray token exists and the variable is unset.
-
-    A token exists when ``RAY_AUTH_TOKEN`` is set, ``RAY_AUTH_TOKEN_PATH`` names a file, or
-    ``~/.ray/auth_token`` is a file. Returns True when it set the variable.
-    """
+    """Set ``RAY_AUTH_MODE=token`` (which Ray's client needs against a cluster with a token)
+    when the variable is unset and a token exists: ``RAY_AUTH_TOKEN``, the file
+    ``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token``. Returns True when it set it."""
     env = os.environ if environ is None else environ
     if env.get("RAY_AUTH_MODE"):
         return False
@@ -177,10 +158,8 @@ def enable_token_auth_if_token_exists(environ: MutableMapping[str, str] | None =
 
 
 def _refresh_ray_config() -> None:
-    """Ray reads its ``RAY_*`` variables (RAY_AUTH_MODE, the GCS timeouts) into a cached config
-    when imported; nothing to do before that. After it, only the private
-    ``ray._raylet.Config.initialize`` (what Ray itself calls after setting the mode) re-reads
-    them: feature-checked, and a warning where it is missing or fails."""
+    """Make an already imported Ray re-read its ``RAY_*`` variables, through the private
+    ``ray._raylet.Config.initialize`` (what Ray itself calls); a warning where that fails."""
     import sys
     if "ray._raylet" not in sys.modules:
         return
@@ -197,7 +176,7 @@ def choose_coordinator(names: list[str], run_id: str | None, namespace: str) -> 
     """The coordinator actor name to read, from the named actors of the namespace (pure)."""
     runs = sorted(n for n in names if n.startswith(COORDINATOR_PREFIX))
     if run_id is not None:
-        wanted = f"{COORDINATOR_PREFIX}{run_id}"
+        wanted = coordinator_name(run_id)
         if wanted in runs:
             return wanted
         raise NoCoordinatorError("--run-id", f"no coordinator for this run in namespace "
@@ -220,12 +199,8 @@ def _choices(runs: list[str]) -> str:
 
 def read_status(address: str | None, namespace: str, run_id: str | None = None,
                 timeout_s: float = 15.0) -> dict[str, Any]:
-    """Connect, find the coordinator, return its ``status()`` (the one function using ray.get).
-
-    Raises :class:`ClusterUnreachableError` (an :class:`InputError` naming ``--address``) when
-    no cluster answers, within about :data:`PROBE_TIMEOUT_S` for an address where nothing
-    listens and about 15 s (:data:`GCS_CONNECT_ENV`) for one that is not a Ray cluster.
-    """
+    """Connect, find the coordinator, return its ``status()`` (the one function using ray.get);
+    :class:`ClusterUnreachableError` when no cluster answers."""
     enable_token_auth_if_token_exists()       # before Ray reads its config
     check_reachable(address)
     import ray
@@ -262,8 +237,7 @@ def _pct(x: Any) -> str:
 
 
 def format_status(status: Mapping[str, Any]) -> str:
-    """A human page of the coordinator's status (``Coordinator.status()``). Debug counters
-    (reports, rounds, the actor's incarnation) stay out of it: ``--json`` has everything."""
+    """A human page of the coordinator's status (``--json`` has the debug counters too)."""
     lines = [f"coordinator {status.get('coordinator', '?')}"
              + (f"  run {status['run_id']}" if status.get("run_id") else "")
              + (f"  latest step {status['latest_step']}"
@@ -303,9 +277,7 @@ _IGNORED_MEANING = {"stale": "from an earlier attempt of the run",
 
 
 def _user_notes(status: Mapping[str, Any]) -> list[str]:
-    """The rest of the status that a user acts on, in words: a restarted worker group, the
-    rank named for a hang, straggler nodes, the policy's notes, reports the coordinator
-    dropped."""
+    """The rest of the status that a user acts on, in words."""
     lines = []
     attempt = status.get("attempt")
     if isinstance(attempt, int) and attempt > 1:

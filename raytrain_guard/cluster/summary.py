@@ -1,6 +1,5 @@
 """What a guarded run did, for a person at its end (pure): the launcher's :class:`RunSummary`
-from the workers' results and the coordinator's last status, and the drop-in's
-:class:`GuardReport` (``result.guard``) from what the coordinator gathered."""
+and the drop-in's :class:`GuardReport` (``result.guard``)."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from raytrain_guard.runtime.dropin.summary import combine_summaries
 
 logger = logging.getLogger(__name__)
 
-#: actions that report what was seen rather than change the run: the summary lists them under
-#: detections (a rank's slow steps, a straggler node to drain); the rest are decisions applied
+#: actions that report what was seen: the summary lists them under detections
 EVENT_ACTIONS = frozenset({Action.SLOW_STEP.value, Action.FLAG_STRAGGLER.value})
 
 
@@ -66,13 +64,12 @@ class RunSummary:
 
 
 def _is_local(d: Mapping[str, Any]) -> bool:
-    """A decision of one rank's own gate (scope ``rank``; its id counts per rank), not one of
-    the coordinator (scope ``cluster`` or ``node:<id>``, one id for every rank)."""
+    """A decision of one rank's own gate (its id counts per rank), not of the coordinator."""
     return d.get("scope") == "rank" or not d.get("decision_id")
 
 
 def decision_line(d: Mapping[str, Any]) -> str:
-    """One merged decision (:func:`merge_applied`) as the summary shows it (pure)."""
+    """One merged decision (:func:`merge_applied`) as the summary shows it."""
     ranks = d.get("ranks") or []
     if _is_local(d):
         where = f" on rank {ranks[0]} (its own gate)" if len(ranks) == 1 else \
@@ -96,7 +93,7 @@ def results_of(result: Any) -> dict[str, Any]:
 
 def summarize(run_id: str, results: Mapping[str, Any], status: Mapping[str, Any],
               wall_s: float, plan_line: str = "", global_batch: int = 0) -> RunSummary:
-    """The :class:`RunSummary` of a finished run (pure)."""
+    """The :class:`RunSummary` of a finished run."""
     steps = int(results.get("step", 0))
     world = int(results.get("world_size", 1))
     loaders = results.get("loader") or []
@@ -131,14 +128,9 @@ def summarize(run_id: str, results: Mapping[str, Any], status: Mapping[str, Any]
 
 
 def merge_applied(decisions: Any) -> list[dict[str, Any]]:
-    """Per-rank decision records (the train loop's) -> one entry per decision (pure).
-
-    Coordinator decisions (scope ``cluster`` or ``node:<id>``) are merged by id across ranks,
-    with the steps they were applied at (one step when lockstep worked) and the ranks that
-    applied them (a node's decision seen by other nodes' ranks, ``applied`` False, is not theirs).
-    A rank's own gate decisions (scope ``rank``; their ids count per rank, so rank 0's #1 is not
-    rank 1's #1) stay one entry per rank.
-    """
+    """Per-rank decision records (the train loop's) -> one entry per decision: a coordinator
+    decision merged by id across ranks, with the steps it was applied at (one when lockstep
+    worked) and the ranks that applied it; a rank's own gate decision one entry per rank."""
     merged: dict[Any, dict[str, Any]] = {}
     for d in decisions or []:
         if not isinstance(d, Mapping):
@@ -160,9 +152,9 @@ def merge_applied(decisions: Any) -> list[dict[str, Any]]:
 
 
 def event_line(e: Mapping[str, Any]) -> str:
-    """A merged event (``slow_step``, ``flag_straggler``) as a detection line (pure)."""
+    """A merged event (``slow_step``, ``flag_straggler``) as a detection line."""
     if e.get("action") == Action.SLOW_STEP.value:
-        return str(e.get("reason"))        # "rank 1 steps 31-33: 3 slow steps in a row (...)"
+        return str(e.get("reason"))        # its reason names the rank and steps
     return f"{e.get('action')} at step {e.get('applied_at')}: {e.get('reason')}"
 
 
@@ -172,16 +164,14 @@ class GuardReport:
 
     run: RunSummary
     """The launcher's summary: steps, throughput, step p50/p99, data wait, detections,
-    decisions (from the coordinator's status and the ranks' summaries)."""
+    decisions."""
     attribution: tuple[Mapping[str, Any], ...] = ()
     """One entry per rank: its role (``straggler_compute``, ``straggler_data``, ``waiting``,
     ``normal``) and the reason with the figures."""
     loaders: tuple[Mapping[str, Any] | None, ...] = ()
     """Per rank: the DataLoader settings in force, what was lowered and why, the data wait."""
     attempts: int = 0
-    """Worker groups started: each failure ended one, and a run that finished had one more
-    (at least the coordinator's attempt number, which counts the groups that reached their
-    first step)."""
+    """Worker groups started: each failure ended one, and a run that finished had one more."""
     worker_failures: tuple[Mapping[str, Any], ...] = ()
     """Ray Train's controller's ``after_exception`` calls: the ranks and their errors."""
     num_reports: int = 0
@@ -190,8 +180,7 @@ class GuardReport:
     """Each rank's own summary (window, decisions, loader, stop), as posted at its end."""
 
     def format(self) -> str:
-        """What a person reads: the run summary (the attribution is among its detections),
-        attempts, and each rank's DataLoader settings in force."""
+        """What a person reads: the run summary, attempts, and each rank's DataLoader settings."""
         lines = [self.run.format(), (f"  attempts     {self.attempts} (worker failures "
                                     f"{len(self.worker_failures)}, reports {self.num_reports})")]
         for rank, loader in enumerate(self.loaders):
@@ -210,8 +199,7 @@ class GuardReport:
 def build_report(run_id: str, status: Mapping[str, Any], summaries: Mapping[int, Any],
                  events: list[Mapping[str, Any]], wall_s: float, plan_line: str = "", *,
                  straggler_frac: float, finished: bool = True) -> GuardReport:
-    """The :class:`GuardReport` of a run from what the coordinator gathered (``finished``:
-    the run ended without an error)."""
+    """The :class:`GuardReport` of a run from what the coordinator gathered."""
     ranks = [summaries[r] for r in sorted(summaries)]
     combined = combine_summaries(ranks, straggler_frac=straggler_frac) if ranks else {}
     loaders = combined.get("loader") or []

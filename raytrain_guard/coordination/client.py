@@ -1,10 +1,8 @@
 """The worker-side coordinator client, and the decision source the train loop polls.
 
-:class:`CoordinatorClient`: the training thread hands each batch of steps to a daemon thread
-(:class:`~raytrain_guard.coordination.link.CoordinatorLink`) that sends it and leaves new
-decisions in an inbox; no Ray call, lookup or wait on the training thread.
-:class:`LockstepDecisionSource` (the train loop's ``decision_source``) hands them to the
-:class:`~raytrain_guard.coordination.lockstep.Lockstep`; :class:`ClusterDecisionSource` is the
+:class:`CoordinatorClient` hands each batch of steps to a daemon thread that sends it and leaves
+new decisions in an inbox (no Ray call or wait on the training thread);
+:class:`LockstepDecisionSource` hands them to the lockstep; :class:`ClusterDecisionSource` is the
 picklable one the launcher ships to every worker. Details: docs/coordination.md.
 """
 
@@ -21,16 +19,13 @@ from typing import Any
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.coordination.context import current_context
 from raytrain_guard.coordination.control_plane import shared_control_plane
-from raytrain_guard.coordination.link import (  # noqa: F401 - names: imported from here too
-    COORDINATOR_PREFIX,
+from raytrain_guard.coordination.link import (
     HANG_REPORT_TIMEOUT_S,
-    MONITOR_PREFIX,
     POLL_S,
     CoordinatorLink,
     coordinator_name,
     fetch_attempt,
     lookup_actor,
-    monitor_name,
     register_worker_with_monitor,
     send_hang_record,
     wait_for,
@@ -49,19 +44,14 @@ logger = logging.getLogger(__name__)
 STEP_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))   # a report row's order
 step_row = operator.attrgetter(*STEP_FIELDS)                          # a StepStats as its row
 
-MAX_QUEUED_REPORTS = 4
-"""Report batches a rank's link holds while the coordinator is slow; more are dropped and
-counted: 4 x report_every_steps steps of slack, far beyond a healthy round trip."""
-FLUSH_TIMEOUT_S = 2.0
-"""How long the end of a rank's run waits for its last reports to leave."""
-APPLIED_KEPT = 64
-"""(step, decision id) pairs kept for the next report while the coordinator is away."""
+MAX_QUEUED_REPORTS = 4      # report batches held while the coordinator is slow; more are dropped
+FLUSH_TIMEOUT_S = 2.0       # how long the end of a rank's run waits for its last reports
+APPLIED_KEPT = 64           # (step, decision id) pairs kept while the coordinator is away
 
 
 class CoordinatorClient:
-    """One rank's reports out and decisions in. ``lookup`` finds the coordinator by name;
-    ``background=False`` runs the link's calls in place, at once (tests). ``_answers`` is the
-    one method that waits on Ray, on the link's thread."""
+    """One rank's reports out and decisions in. ``background=False`` runs the link's calls in
+    place (tests). ``_answers`` is the one method that waits on Ray, on the link's thread."""
 
     def __init__(self, name: str, *, namespace: str | None, world_rank: int, node_id: str,
                  report_every_steps: int, attempt: int = 0,
@@ -112,16 +102,15 @@ class CoordinatorClient:
             self._queue(fetch=True)
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
-        """At the end of the rank's run: queue the steps kept (a partial batch, asking no
-        decisions) and wait at most ``timeout_s`` for the reports to leave."""
+        """At the end of the rank's run: queue the steps kept and wait at most ``timeout_s`` for
+        the reports to leave."""
         if self._buffer:
             self._queue(fetch=False)
         self._link.drain(timeout_s)
         self._link.close()
 
     def note_applied(self, step: int, decision_id: int) -> None:
-        """The lockstep applied ``decision_id`` at ``step``: sent with the next report, so the
-        coordinator measures the effect from where it took effect."""
+        """The lockstep applied ``decision_id`` at ``step``: sent with the next report."""
         self._applied.append((int(step), int(decision_id)))
 
     def poll_decisions(self) -> list[Decision]:
@@ -139,7 +128,7 @@ class CoordinatorClient:
 
     # -- the link's thread -------------------------------------------------------------------
     def _send(self, handle: Any, batch: list[StepStats], fetch: bool) -> None:
-        """One report, then (``fetch``) the decisions newer than any known, into the inbox."""
+        """One report, then (``fetch``) the decisions newer than any known into the inbox."""
         applied = list(self._applied)
         extra = {"applied": applied} if applied else {}
         refs = [handle.report_steps.remote(self.world_rank, self.node_id, self.attempt,
@@ -162,11 +151,10 @@ class CoordinatorClient:
             self._inbox.append(decision)
 
     def _answers(self, refs: list[Any]) -> list[Any]:
-        """The answers of the calls (raises what they raised, or after a timeout)."""
         return wait_for(refs)
 
     def _current_setup(self) -> dict[str, Any] | None:
-        """The rank's batch layout now; None when there is no callable or it fails."""
+        """The rank's batch layout now; None without a callable or when it fails."""
         if self.setup is None:
             return None
         try:
@@ -177,8 +165,6 @@ class CoordinatorClient:
 
     def report_hang(self, record: Mapping[str, Any],
                     timeout_s: float = HANG_REPORT_TIMEOUT_S) -> dict[str, Any] | None:
-        """The watchdog's record to the coordinator (:func:`~raytrain_guard.coordination.link.
-        send_hang_record`)."""
         return send_hang_record(self.name, self.namespace, self.world_rank, self.node_id,
                                 self.attempt, record, timeout_s=timeout_s,
                                 handle=self._link.handle, lookup=self.lookup)
@@ -186,10 +172,8 @@ class CoordinatorClient:
 
 class LockstepDecisionSource:
     """The train loop's ``decision_source``: coordinator decisions, applied in lockstep.
-
-    Decisions for a step before the first step this source saw belong to an earlier attempt
-    of the run (the coordinator outlives worker-group restarts) and are dropped.
-    """
+    Decisions for a step before the first step this source saw (an earlier attempt's) are
+    dropped."""
 
     def __init__(self, lockstep: Lockstep, client: CoordinatorClient | None = None) -> None:
         self.lockstep = lockstep
@@ -197,8 +181,7 @@ class LockstepDecisionSource:
         self.first_step: int | None = None
 
     def finish(self, stats: Sequence[StepStats] = ()) -> None:
-        """The run ended: ``stats`` (steps no boundary handed over) and the steps the client
-        keeps go to the coordinator. Fail open."""
+        """The run ended: ``stats`` and the steps the client keeps go to the coordinator."""
         if self.client is not None:
             try:
                 if stats:
@@ -209,8 +192,7 @@ class LockstepDecisionSource:
 
     def poll(self, step: int, stats: StepStats | Sequence[StepStats] | None = None
              ) -> list[Decision]:
-        """At a step boundary on every rank: decisions to apply at exactly ``step`` (the
-        lockstep collective runs every ``lockstep_every_steps`` steps)."""
+        """At a step boundary on every rank: the decisions to apply at exactly ``step``."""
         if self.first_step is None:
             self.first_step = step
         client = self.client
@@ -233,7 +215,6 @@ class LockstepDecisionSource:
 
     @property
     def applied(self) -> list[tuple[int, int]]:
-        """This rank's log of ``(step, decision_id)`` applied."""
         return self.lockstep.applied
 
     def report_hang(self, record: Mapping[str, Any],
@@ -241,8 +222,7 @@ class LockstepDecisionSource:
         return self.client.report_hang(record, timeout_s) if self.client is not None else None
 
     def bind_setup(self, setup: Callable[[], Mapping[str, Any]]) -> None:
-        """Report ``setup()`` (the rank's batch layout now) with every batch; the train loop
-        calls this once before training."""
+        """Report ``setup()`` (the rank's batch layout now) with every batch."""
         if self.client is not None:
             self.client.setup = setup
 
@@ -250,17 +230,10 @@ class LockstepDecisionSource:
 class ClusterDecisionSource:
     """What the launcher puts in ``train_loop_config["decision_source"]`` (picklable).
 
-    Each worker gets a copy; on the first ``poll`` (every rank, same step) it builds its own
-    :class:`LockstepDecisionSource`: the rank and node from the worker context, a
-    :class:`~raytrain_guard.coordination.lockstep.ProcessGroupExchange` on the default group, a
-    :class:`CoordinatorClient` for ``run_id`` in ``namespace``, the attempt number the
-    coordinator issued to rank 0, and a fire-and-forget registration with this node's monitor.
-    Whether every rank got that far is agreed in the attempt's collective: if one rank could
-    not start, no rank runs the lockstep (a lone rank's fallback would pair mismatched
-    collectives).
-
-    ``guard``: the run's :class:`~raytrain_guard.config.GuardConfig` (or a dict of its fields,
-    checked on the workers).
+    On the first ``poll`` (every rank, same step) each worker builds its own
+    :class:`LockstepDecisionSource` for ``run_id`` in ``namespace`` and registers with its
+    node's monitor. If one rank could not start, no rank runs the lockstep (a lone rank's
+    fallback would pair mismatched collectives). ``guard``: a GuardConfig or a dict of its fields.
     """
 
     def __init__(self, run_id: str, namespace: str,
@@ -280,7 +253,6 @@ class ClusterDecisionSource:
         return state
 
     def bind_setup(self, setup: Callable[[], Mapping[str, Any]]) -> None:
-        """Keep ``setup`` for the client this source builds on its first poll."""
         self._setup = setup
         if isinstance(self._source, LockstepDecisionSource):
             self._source.bind_setup(setup)
@@ -300,8 +272,7 @@ class ClusterDecisionSource:
 
     def report_hang(self, record: Mapping[str, Any],
                     timeout_s: float = HANG_REPORT_TIMEOUT_S) -> dict[str, Any] | None:
-        """The watchdog's record, once this source started (the watchdog arms after the
-        first steps); None before."""
+        """The watchdog's record, once this source started; None before."""
         source = self._source
         if isinstance(source, LockstepDecisionSource):
             return source.report_hang(record, timeout_s)
@@ -309,7 +280,7 @@ class ClusterDecisionSource:
 
     def _build(self) -> LockstepDecisionSource | _NoDecisions:
         """On every rank at the same step: the lockstep source, or no cluster decisions on
-        every rank alike (fail open) when any rank could not start."""
+        every rank alike when any rank could not start."""
         attempt, problem = 0, None
         try:
             config = self.guard if isinstance(self.guard, GuardConfig) else \
@@ -358,9 +329,8 @@ class _NoDecisions:
 
 
 def agree_on_start(attempt: int, started: bool) -> tuple[int, bool]:
-    """``(attempt, every rank started)``: one ``all_reduce(MAX)`` of ``[attempt, 0 if started
-    else 1]`` on the control plane. Rank 0 brings the coordinator's attempt number, the others
-    0; any rank that could not start makes every rank fall back together."""
+    """``(attempt, every rank started)`` in one ``all_reduce(MAX)`` on the control plane: rank 0
+    brings the coordinator's attempt number, the others 0."""
     agreed, not_started = shared_control_plane().all_reduce_max(int(attempt),
                                                                 0 if started else 1)
     return agreed, not not_started

@@ -1,8 +1,7 @@
-"""Who am I? The rank, world size and node of the current training process, from (in order)
-Ray Train's context (the node: Ray's node id, since Ray groups ranks by IP and several nodes
-may share one), an initialized ``torch.distributed`` (``LOCAL_WORLD_SIZE`` when set; the node:
-the host name), or rank 0 of 1. Ray and torch are read only when the process imported them
-already, so asking never pays for importing either.
+"""Who am I? The rank, world size and node of the current training process, from Ray Train's
+context (the node: Ray's node id, as nodes may share an IP), an initialized
+``torch.distributed`` (the node: the host name), or rank 0 of 1. Ray and torch are read only
+when the process imported them already.
 """
 
 from __future__ import annotations
@@ -18,10 +17,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerContext:
-    """The position of one training process in the run.
-
-    ``source`` says where the figures came from: ``"ray"``, ``"torch"`` or ``"single"``.
-    """
+    """The position of one training process in the run; ``source``: ``"ray"``, ``"torch"`` or
+    ``"single"``."""
 
     world_rank: int = 0
     world_size: int = 1
@@ -32,10 +29,7 @@ class WorkerContext:
 
 
 def current_context() -> WorkerContext:
-    """The context of the calling process (Ray Train worker, torch.distributed, or single).
-
-    Never raises: a source that fails is skipped (logged at debug level).
-    """
+    """The context of the calling process; never raises (a source that fails is skipped)."""
     for read in (_from_ray_train, _from_torch_distributed):
         try:
             ctx = read()

@@ -1,11 +1,9 @@
 """The control-plane collective: stop flag and newest decision id in one 16-byte all_reduce.
 
-Both questions the ranks must agree on every ``lockstep_every_steps`` steps (did any rank ask
-to stop; has any rank heard of a decision the others have not) are a MAX, so one
-``all_reduce(MAX)`` of ``[stop flag, newest decision id]`` answers both. It runs on a gloo group
-over a CPU tensor allocated once, so it never synchronizes the device, and the train loop and
-the lockstep share one plane per process (:func:`shared_control_plane`). Why gloo, and how the
-stop flag rides on the lockstep's round: docs/coordination.md.
+Both questions the ranks agree on every ``lockstep_every_steps`` steps (did any rank ask to
+stop; has any rank heard of a newer decision) are a MAX, answered by one ``all_reduce(MAX)`` on
+a gloo group over a CPU tensor allocated once (no device synchronization). The train loop and
+the lockstep share one plane per process. Why: docs/coordination.md.
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ NO_DECISION = -1  # the value a rank contributes to the MAX when it knows of not
 
 
 class ControlPlane:
-    """One rank's end of the control-plane collective. ``world_size`` 1: no collective.
-    ``group``: the gloo group to reduce over (None: the default group, gloo), held weakly:
-    a group kept alive past ``destroy_process_group`` aborts the process at exit."""
+    """One rank's end of the control-plane collective. ``group``: the gloo group to reduce over
+    (None: the default group), held weakly: a group kept alive past ``destroy_process_group``
+    aborts the process at exit."""
 
     def __init__(self, world_size: int, group: Any = None) -> None:
         self.world_size = world_size
@@ -37,7 +35,7 @@ class ControlPlane:
 
     @property
     def group(self) -> Any:
-        """The gloo side group, or None for the default group (raises once it was destroyed)."""
+        """The gloo side group, or None for the default group."""
         if self._group is None:
             return None
         group = self._group()
@@ -47,9 +45,8 @@ class ControlPlane:
 
     @classmethod
     def for_default_group(cls) -> ControlPlane:
-        """The plane of the initialised default group (a new gloo side group when its backend
-        is not gloo: a collective call, every rank must make it at the same point); a world of
-        one rank when torch.distributed is not initialised."""
+        """The plane of the default group (a new gloo side group when its backend is not gloo:
+        every rank must call it at the same point); a world of one without torch.distributed."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -58,18 +55,16 @@ class ControlPlane:
         return cls(dist.get_world_size(), group)
 
     def agree(self, newest_id: int = NO_DECISION) -> int:
-        """One round: every rank's ``[local_stop, newest_id]`` reduced by MAX. Sets
-        :attr:`agreed_stop` and returns the newest decision id any rank knows of
-        (:data:`NO_DECISION` when none). Every rank must call it at the same boundary."""
+        """One round of every rank's ``[local_stop, newest_id]``: sets :attr:`agreed_stop`,
+        returns the newest decision id any rank knows of. Every rank, same boundary."""
         stop, newest = self.all_reduce_max(1 if self.local_stop else 0, newest_id)
         self.agreed_stop = bool(stop)
         self.num_rounds += 1
         return newest
 
     def stop_agreed(self, rounds_before: int, *, check_now: bool) -> bool:
-        """Whether the ranks agreed to stop here: a round ran since ``rounds_before`` (a
-        lockstep exchange carried the flag), or ``check_now`` runs one (the same on every
-        rank)."""
+        """Whether the ranks agreed to stop: from a round run since ``rounds_before`` (the
+        lockstep's), or one run now when ``check_now`` (the same on every rank)."""
         if self.num_rounds == rounds_before:
             if not check_now:
                 return False
@@ -77,8 +72,7 @@ class ControlPlane:
         return self.agreed_stop
 
     def all_reduce_max(self, first: int, second: int) -> tuple[int, int]:
-        """The one method that touches torch.distributed: ``all_reduce(MAX)`` of two int64
-        on the side group, in the preallocated CPU tensor (no device synchronization)."""
+        """The one method that touches torch.distributed: ``all_reduce(MAX)`` of two int64."""
         if self.world_size == 1:
             return first, second
         import torch.distributed as dist
@@ -94,9 +88,8 @@ _shared: tuple[Any, ControlPlane] | None = None    # (weak ref to the default gr
 
 
 def shared_control_plane() -> ControlPlane:
-    """This process's plane for the current default group, made on the first call (by every
-    rank at the same point: it may create the gloo side group) and again after the default
-    group was replaced."""
+    """This process's plane for the current default group, made on the first call (every rank
+    at the same point) and again after the default group was replaced."""
     global _shared
     import torch.distributed as dist
 

@@ -1,9 +1,6 @@
 """How a train worker or a node monitor reaches its run's actors: their names, the calls that
-go through a daemon thread (:class:`CoordinatorLink`), and the few that wait with a bound
-(the attempt number at start, the hang record at the end, the monitor registration).
-
-Every call here fails open: a coordinator that is absent, slow or dead costs the caller a
-counted drop or a logged warning, never a wait past its bound.
+go through a daemon thread (:class:`CoordinatorLink`), and the few that wait with a bound.
+Every call fails open: an absent, slow or dead coordinator costs a counted drop or a warning.
 """
 
 from __future__ import annotations
@@ -21,20 +18,17 @@ logger = logging.getLogger(__name__)
 COORDINATOR_PREFIX = "raytrain_guard:coordinator:"
 MONITOR_PREFIX = "raytrain_guard:monitor:"
 REPLY_TIMEOUT_S = 10.0
-"""How long the link's thread waits for the coordinator to answer a call before it counts it
-as gone and looks it up again: a healthy answer takes milliseconds, a policy round of 4,096
-ranks under 0.2 s."""
+"""How long the link waits for an answer before it counts the coordinator as gone (a healthy
+answer takes milliseconds)."""
 ATTEMPT_TIMEOUT_S = 30.0
-"""How long rank 0 waits for the coordinator's ``next_attempt`` at start, while the other ranks
-wait in the agreement: long enough for Ray to restart a coordinator that died just then."""
+"""How long rank 0 waits for ``next_attempt`` at start: long enough for Ray to restart a
+coordinator that died just then."""
 POLL_S = 0.05
-"""How often a link whose caller does not wake it (the training thread's: waking a thread costs
-the waker 15-50 us on a loaded 2-core box) looks at its queue: a batch leaves within 50 ms,
-and the idle thread's 20 wake-ups a second cost 0.16 % of a core."""
+"""How often a link whose caller does not wake it looks at its queue (waking a thread would
+cost the training thread; docs/benchmarks.md)."""
 HANG_REPORT_TIMEOUT_S = 1.5
-"""How long a rank's hang watchdog waits for the coordinator to take its record before the
-process ends: a slow or dead coordinator must not hold the exit (and so the restart) longer
-than this. A healthy round trip is milliseconds; 1.5 s also covers a name lookup."""
+"""How long a hang watchdog waits for the coordinator to take its record before the process
+ends (and so the group restarts)."""
 
 
 def coordinator_name(run_id: str) -> str:
@@ -48,7 +42,7 @@ def monitor_name(run_id: str, node_id: str) -> str:
 
 
 def lookup_actor(name: str, namespace: str | None) -> Any:
-    """The named actor's handle (raises ValueError when there is none)."""
+    """The named actor's handle (ValueError when there is none)."""
     import ray
     return ray.get_actor(name, namespace=namespace)
 
@@ -60,18 +54,13 @@ def wait_for(refs: Sequence[Any], timeout_s: float = REPLY_TIMEOUT_S) -> list:
 
 
 class CoordinatorLink:
-    """Calls to a named actor (the run's coordinator) made by one daemon thread of its own, so
-    the caller never waits on the actor or on Ray's name lookup (which waits on the GCS).
+    """Calls to a named actor (the run's coordinator) made by a daemon thread of its own, so the
+    caller never waits on the actor or on Ray's name lookup.
 
-    :meth:`submit` queues ``call(handle)`` and returns at once; with ``max_queued`` calls
-    waiting already, the new one is dropped and counted (a slow coordinator never makes the
-    caller queue memory). The thread looks the actor up when it has no handle, first at once
-    and then at most once per ``retry_after_s``; while none is found, queued calls are dropped
-    and counted. A call that raises (the actor died, or did not answer within
-    :data:`REPLY_TIMEOUT_S`) drops the handle, to be looked up again. ``wake=False`` on
-    :meth:`submit` leaves the call for the thread's next look, every ``poll_s``, unless half
-    the queue is taken.
-    ``background=False`` runs the calls in the caller's thread, at once (for tests).
+    :meth:`submit` queues ``call(handle)`` and returns at once; past ``max_queued`` waiting
+    calls, or while no actor is found (looked up at most once per ``retry_after_s``), calls are
+    dropped and counted. A call that raises drops the handle, to be looked up again.
+    ``background=False`` runs the calls in the caller's thread (tests).
     """
 
     def __init__(self, name: str, namespace: str | None, *, max_queued: int,
@@ -108,7 +97,8 @@ class CoordinatorLink:
         return self.num_full + self.num_unsent
 
     def submit(self, call: Callable[[Any], None], *, wake: bool = True) -> bool:
-        """Queue ``call(handle)``; False when it was dropped (the queue full). Never waits."""
+        """Queue ``call(handle)``; False when it was dropped (the queue full). Never waits.
+        ``wake=False`` leaves it for the thread's next look, unless half the queue is taken."""
         if len(self._queue) >= self.max_queued:
             self.num_full += 1
             return False
@@ -120,8 +110,7 @@ class CoordinatorLink:
         return True
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait at most ``timeout_s`` for the queued calls to be done or dropped; whether
-        they were."""
+        """Wait at most ``timeout_s`` for the queued calls to be done or dropped; whether they were."""
         self._wake.set()
         deadline = time.monotonic() + timeout_s
         while self._queue or self._busy:
@@ -131,7 +120,7 @@ class CoordinatorLink:
         return True
 
     def close(self) -> None:
-        """End the thread once the calls queued now are done (it holds nothing else)."""
+        """End the thread once the calls queued now are done."""
         self._closed = True
         self._wake.set()
 
@@ -187,8 +176,7 @@ class CoordinatorLink:
 
 def fetch_attempt(name: str, namespace: str | None,
                   timeout_s: float = ATTEMPT_TIMEOUT_S) -> int:
-    """Rank 0's ask for a new attempt number (``Coordinator.next_attempt``); raises when the
-    coordinator does not answer within ``timeout_s``."""
+    """Rank 0's ask for a new attempt number (``Coordinator.next_attempt``), within ``timeout_s``."""
     return int(wait_for([lookup_actor(name, namespace).next_attempt.remote()], timeout_s)[0])
 
 
@@ -197,10 +185,8 @@ def send_hang_record(name: str, namespace: str | None, world_rank: int, node_id:
                      timeout_s: float = HANG_REPORT_TIMEOUT_S, handle: Any = None,
                      lookup: Callable[[str, str | None], Any] = lookup_actor
                      ) -> dict[str, Any] | None:
-    """``Coordinator.report_hang`` with a bounded wait: the lookup (when ``handle`` is None)
-    and the call run on a daemon thread, joined for at most ``timeout_s``; the coordinator's
-    verdict (a dict), or None when it failed or did not answer in time (fail open: the caller
-    goes on to end its process)."""
+    """``Coordinator.report_hang`` on a daemon thread joined for at most ``timeout_s``: the
+    coordinator's verdict (a dict), or None when it failed or did not answer in time."""
     answer: dict[str, Any] = {}
 
     def send() -> None:
@@ -226,8 +212,8 @@ def send_hang_record(name: str, namespace: str | None, world_rank: int, node_id:
 
 def register_worker_with_monitor(namespace: str, run_id: str, world_rank: int | None = None,
                                  pid: int | None = None) -> bool:
-    """From a train worker: ask its run's monitor on this node to sample this process
-    (fire-and-forget). Returns False (and training goes on) when there is no such monitor."""
+    """Ask this node's monitor of the run to sample this process (fire-and-forget); False when
+    there is no such monitor."""
     import ray
     node_id = ray.get_runtime_context().get_node_id()
     try:

@@ -23,36 +23,31 @@ from raytrain_guard.errors import check_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NO_DECISION", "Lockstep", "ProcessGroupExchange", "SingleRankExchange",
-           "apply_step", "is_agreement_step", "merge_decisions", "newest_pending_id", "schedule"]
-
-
 # -- pure part ---------------------------------------------------------------------------------
 
 def is_agreement_step(step: int, every_steps: int) -> bool:
-    """True at the step boundaries where the ranks agree: every multiple of ``every_steps``."""
+    """The ranks agree at every multiple of ``every_steps``."""
     return step % every_steps == 0
 
 
 def apply_step(decision: Decision, agreed_at: int) -> int:
     """The step every rank applies ``decision`` at, agreed at boundary ``agreed_at``: the
-    coordinator's step when still ahead, else the agreement boundary itself (the merge comes
-    before any rank applies anything there)."""
+    coordinator's step when still ahead, else the agreement boundary itself."""
     if decision.step is not None and decision.step > agreed_at:
         return int(decision.step)
     return agreed_at
 
 
 def newest_pending_id(pending: Iterable[Decision]) -> int:
-    """The value this rank contributes to the ``all_reduce(MAX)``: its newest pending id."""
+    """This rank's contribution to the ``all_reduce(MAX)``."""
     return max((d.decision_id for d in pending), default=NO_DECISION)
 
 
 def merge_decisions(per_rank: Sequence[Sequence[Mapping[str, Any]]],
                     agreed_ids: frozenset[int] | set[int] = frozenset()) -> list[Decision]:
-    """Union of the ranks' pending decisions (``per_rank[r]``: rank ``r``'s
-    ``Decision.to_dict()`` list), new ones only, ordered by id; the same on every rank: the
-    lowest rank's copy wins, agreed ids and unreadable entries are dropped."""
+    """Union of the ranks' pending decisions (``per_rank[r]``: rank ``r``'s dicts), ordered by
+    id, the same on every rank: the lowest rank's copy wins; agreed ids and unreadable entries
+    are dropped."""
     merged: dict[int, Decision] = {}
     for rank, entries in enumerate(per_rank):
         for entry in entries:
@@ -80,8 +75,7 @@ class Exchange(Protocol):
 
     def exchange(self, newest_id: int,
                  pending: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-        """Every rank's pending list, in rank order (``[]`` lists when nobody had any)."""
-        ...
+        """Every rank's pending list, in rank order (``[]`` when nobody had any)."""
 
 
 class SingleRankExchange:
@@ -94,16 +88,15 @@ class SingleRankExchange:
 
 class ProcessGroupExchange:
     """The exchange over ``torch.distributed``: the newest-id round on ``plane`` (default: the
-    process's shared control plane), the pending lists over its gloo group."""
+    shared control plane), then the pending lists over its gloo group."""
 
     def __init__(self, plane: ControlPlane | None = None) -> None:
         self.plane = plane
 
     def exchange(self, newest_id: int,
                  pending: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-        """The one method that touches ``torch.distributed`` (a collective: every rank, same
-        boundary): the plane's allreduce(MAX), then ``all_gather_object`` when some rank has a
-        pending decision."""
+        """The one method that touches ``torch.distributed``: ``all_gather_object`` only when
+        some rank has a pending decision."""
         if self.plane is None:
             self.plane = shared_control_plane()
         plane = self.plane
@@ -123,8 +116,7 @@ class ProcessGroupExchange:
 @dataclass
 class Lockstep:
     """One rank's side of the agreement: ``offer()`` the decisions this rank fetched,
-    ``poll(step)`` at every boundary for those to apply there; ``applied``: the log of
-    ``(step, decision_id)``."""
+    ``poll(step)`` at every boundary; ``applied``: the log of ``(step, decision_id)``."""
 
     every_steps: int
     exchange: Exchange = field(default_factory=SingleRankExchange)
@@ -139,14 +131,13 @@ class Lockstep:
                   fix="set GuardConfig.lockstep_every_steps")
 
     def offer(self, decisions: Iterable[Decision]) -> None:
-        """Decisions this rank heard of; held until the next agreement boundary."""
+        """Held until the next agreement boundary."""
         for d in decisions:
             if d.decision_id not in self.agreed_ids:
                 self.pending.setdefault(d.decision_id, d)
 
     def poll(self, step: int) -> list[Decision]:
-        """The decisions due at boundary ``step`` (at an agreement boundary, after the
-        exchange)."""
+        """The decisions due at boundary ``step``."""
         if is_agreement_step(step, self.every_steps):
             self._agree(step)
         due = [d for d in self.scheduled if d.step == step]

@@ -178,9 +178,8 @@ def _release_candidate(r: Round, state: PolicyState, p: Pressure,
         r.notes.append(f"no cache release: the run is on {_where(setup)}, where there is no "
                        f"allocator cache")
         return False
-    if missed_key(Action.RELEASE_CACHE, Cause.DEVICE_MEMORY) in state.missed:
-        return False
-    if not r.cooled(state.last_release_step):
+    if missed_key(Action.RELEASE_CACHE, Cause.DEVICE_MEMORY) in state.missed or \
+            not r.cooled(state.last_release_step):
         return False
     cached = setup.cached_free_bytes
     plan = r.view.plan
@@ -241,8 +240,8 @@ def _act(r: Round, state: PolicyState, e: Effect, p: Pressure) -> PolicyState:
     mb, ga = e.params["micro_batch"], e.params["grad_accum"]
     return _shrink(r, state, mb * 2, ga // 2, f"{p.where} at {p.frac:.0%} of device memory "
                    f"(watermark {r.config.memory_watermark_frac:.0%}, critical "
-                   f"{r.config.memory_critical_frac:.0%}); predicted {e.memory_frac_after:.1%} at about {e.cost_frac:.0%} "
-                   f"of throughput: {e.basis}", e)
+                   f"{r.config.memory_critical_frac:.0%}); predicted {e.memory_frac_after:.1%} "
+                   f"at about {e.cost_frac:.0%} of throughput: {e.basis}", e)
 
 
 def _act_unpriced(r: Round, state: PolicyState, action: Action, p: Pressure,

@@ -149,9 +149,8 @@ def shrink_effect(plan: RunPlan, micro_batch: int, grad_accum: int, memory_frac:
     before = reserved_peak_bytes(plan, micro_batch, grad_accum, config)
     after = reserved_peak_bytes(plan, new_mb, new_ga, config)
     delta = (after - before) / plan.device_memory_bytes
-    mode = ""
-    if plan.setup.strategy in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP):
-        mode = f", {GradSync(plan.grad_sync).value.replace('_', '-')} gradient sync"
+    mode = f", {GradSync(plan.grad_sync).value.replace('_', '-')} gradient sync" \
+        if plan.setup.strategy in (Strategy.FSDP_FULL, Strategy.FSDP_GRAD_OP) else ""
     basis = (f"memory model ({plan.setup.strategy.value}{mode}): reserved peak "
              f"{_mib(before)} at micro-batch {micro_batch} x accumulation {grad_accum} -> "
              f"{_mib(after)} at {new_mb} x {new_ga} ({_mib(after - before, sign=True)}, "
@@ -201,10 +200,8 @@ def prefetch_effect(host_used_frac: float, host_total_bytes: int, current: int, 
 def choose(candidates: Sequence[Effect], target_frac: float) -> Effect | None:
     """The cheapest candidate predicted to bring the resource to or under ``target_frac``
     (ties: the one that frees most); None when none is."""
-    helping = [e for e in candidates if e.helps(target_frac)]
-    if not helping:
-        return None
-    return min(helping, key=lambda e: (e.cost_frac, e.memory_frac_after))
+    return min((e for e in candidates if e.helps(target_frac)),
+               key=lambda e: (e.cost_frac, e.memory_frac_after), default=None)
 
 
 # -- measurement -------------------------------------------------------------------------------
@@ -226,9 +223,8 @@ class Measured:
 
     @property
     def delta_frac(self) -> float | None:
-        if self.memory_frac_before is None or self.memory_frac_after is None:
-            return None
-        return self.memory_frac_after - self.memory_frac_before
+        before, after = self.memory_frac_before, self.memory_frac_after
+        return None if before is None or after is None else after - before
 
     @property
     def cost_frac(self) -> float:

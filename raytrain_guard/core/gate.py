@@ -213,8 +213,8 @@ def _role(rank: int, m: TimingSummary, score: StragglerScore, frac: float, least
           stragglers: Sequence[int], floor_s: float = 0.0) -> tuple[RankRole, str]:
     thr = max(frac * score.step_s, floor_s)
     tail = (f"(straggler_frac {frac:g} x median step {score.step_s:.4f} s = "
-            f"{frac * score.step_s:.4f} s" + (f", floor {floor_s:g} s)" if thr == floor_s
-                                              and floor_s > frac * score.step_s else ")"))
+            f"{frac * score.step_s:.4f} s"
+            + (f", floor {floor_s:g} s)" if floor_s > frac * score.step_s else ")"))
     if rank in stragglers:
         excess = f"{score.excess_frac:+.1%} of a step over the reference rank {tail}"
         if score.cause is Cause.COMPUTE:

@@ -132,9 +132,7 @@ def name_hung_rank(records: Iterable[HangRecord], expected_ranks: Iterable[int] 
     steps); ``range(world_size)`` of any record is added. ``waited_s``: time since the first
     record arrived. ``nodes``: rank -> node id, for a silent rank's node.
     """
-    by_rank: dict[int, HangRecord] = {}
-    for r in records:
-        by_rank[r.world_rank] = r
+    by_rank = {r.world_rank: r for r in records}
     if not by_rank:
         return None
     expected = set(expected_ranks) | set(by_rank)

@@ -106,13 +106,7 @@ class NodeSample:
             "node_id": self.node_id, "seq": self.seq, "monitor_epoch": self.monitor_epoch,
             "time_s": self.time_s, "gpu_error": self.gpu_error,
             "host": None if self.host is None else {
-                "memory_total_bytes": self.host.memory_total_bytes,
-                "memory_available_bytes": self.host.memory_available_bytes,
-                "swap_used_bytes": self.host.swap_used_bytes,
-                "swap_total_bytes": self.host.swap_total_bytes,
-                "cpu_frac": self.host.cpu_frac,
-                "workers": [vars(w).copy() for w in self.host.workers],
-            },
+                **vars(self.host), "workers": [vars(w).copy() for w in self.host.workers]},
             "gpus": [{**vars(g), "throttle_reasons": list(g.throttle_reasons),
                       "process_pids": None if g.process_pids is None else list(g.process_pids)}
                      for g in self.gpus],
@@ -203,7 +197,6 @@ class RunSetup:
     @property
     def cached_free_bytes(self) -> int | None:
         """Reserved minus allocated: what a cache release can hand back (None: not reported)."""
-        if self.reserved_bytes is None or self.allocated_bytes is None:
-            return None
-        return max(0, self.reserved_bytes - self.allocated_bytes)
+        reserved, allocated = self.reserved_bytes, self.allocated_bytes
+        return None if reserved is None or allocated is None else max(0, reserved - allocated)
 

@@ -86,9 +86,8 @@ def _host_memory(r: Round, state: PolicyState) -> PolicyState:
     config, steps = r.config, dict(state.prefetch_steps)
     for node_id in sorted(r.view.nodes):
         host = r.view.nodes[node_id].host
-        if host is None or host.memory_used_frac < config.host_memory_watermark_frac:
-            continue
-        if not r.cooled(steps.get(node_id)):
+        if host is None or host.memory_used_frac < config.host_memory_watermark_frac \
+                or not r.cooled(steps.get(node_id)):
             continue
         short = short_node_id(node_id)
         if missed_key(Action.SET_PREFETCH, Cause.HOST_MEMORY, f"node:{node_id}") in state.missed:

@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from raytrain_guard.core.decisions import Cause
+from raytrain_guard.core.stats import median_of_sorted
 from raytrain_guard.core.steps import StepStats
 
 MIN_MEDIAN_POINTS = 3
@@ -20,12 +21,6 @@ PARTS = ((Cause.DATA, "data wait"), (Cause.COMPUTE, "compute"),
 def parts_of(stats: StepStats) -> tuple[float, float, float]:
     """The step's timed parts in :data:`PARTS` order (seconds)."""
     return stats.data_wait_s, stats.compute_s, stats.comm_wait_s
-
-
-def median_of_sorted(values: list[float]) -> float:
-    """The median of already sorted values (the mean of the middle two for an even count)."""
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 class RecentSteps:

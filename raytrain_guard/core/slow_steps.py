@@ -10,14 +10,8 @@ from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
-from raytrain_guard.core.recent_steps import (
-    MIN_MEDIAN_POINTS,
-    PARTS,
-    RecentSteps,
-    median_of_sorted,
-    parts_of,
-)
-from raytrain_guard.core.stats import robust_sigma
+from raytrain_guard.core.recent_steps import MIN_MEDIAN_POINTS, PARTS, RecentSteps, parts_of
+from raytrain_guard.core.stats import median_of_sorted, robust_sigma
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import InputError
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 
 
@@ -33,6 +32,12 @@ def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
+def median_of_sorted(values: Sequence[float]) -> float:
+    """The median of already sorted values (the mean of the middle two for an even count)."""
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 MAD_TO_SIGMA = 1.4826
 """Median absolute deviation -> standard deviation of a normal distribution (1 / 0.6745)."""
 
@@ -46,5 +51,5 @@ def robust_sigma(values: Sequence[float], median: float | None = None) -> float:
     """
     if not values:
         return 0.0
-    center = statistics.median(values) if median is None else median
-    return MAD_TO_SIGMA * statistics.median([abs(v - center) for v in values])
+    center = median_of_sorted(sorted(values)) if median is None else median
+    return MAD_TO_SIGMA * median_of_sorted(sorted(abs(v - center) for v in values))

@@ -29,12 +29,11 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from operator import sub
 
 from raytrain_guard.core.columns import StepColumns
 from raytrain_guard.core.decisions import Cause
-from raytrain_guard.core.stats import MAD_TO_SIGMA, nearest_rank
+from raytrain_guard.core.stats import median_of_sorted, nearest_rank, robust_sigma
 from raytrain_guard.core.steps import StepStats
 
 
@@ -86,20 +85,14 @@ def summarize_columns(c: StepColumns) -> TimingSummary:
     totals = sorted(c.total)
     (m_data, s_data), (m_compute, s_compute), (m_comm, s_comm) = \
         _median_sigma(c.data), _median_sigma(c.compute), _median_sigma(c.comm)
-    return TimingSummary(m_data, m_compute, m_comm, _median_of_sorted(totals), len(totals),
+    return TimingSummary(m_data, m_compute, m_comm, median_of_sorted(totals), len(totals),
                          nearest_rank(totals, 0.99), s_data, s_compute, s_comm)
 
 
-def _median_of_sorted(xs: Sequence[float]) -> float:
-    """``statistics.median`` of values already sorted."""
-    half = len(xs) // 2
-    return xs[half] if len(xs) % 2 else (xs[half - 1] + xs[half]) / 2
-
-
 def _median_sigma(values: Sequence[float]) -> tuple[float, float]:
-    """(median, 1.4826 x median absolute deviation) (``core.stats.robust_sigma``)."""
-    m = _median_of_sorted(sorted(values))
-    return m, MAD_TO_SIGMA * _median_of_sorted(sorted(map(abs, map(sub, values, repeat(m)))))
+    """(median, robust spread)."""
+    m = median_of_sorted(sorted(values))
+    return m, robust_sigma(values, m)
 
 
 def score_summaries(summaries: Mapping[int, TimingSummary], *, min_steps: int = 3,

@@ -103,14 +103,11 @@ class Round:
         return self.view.latest_step
 
     def cooled(self, last_apply_step: int | None) -> bool:
-        return cooled(last_apply_step, self.latest, self.config)
-
-
-def cooled(last_apply_step: int | None, latest: int | None, config: GuardConfig) -> bool:
-    """Whether ``decision_cooldown_steps`` passed since an action's apply step (or it never
-    ran)."""
-    return (last_apply_step is None or
-            (latest is not None and latest >= last_apply_step + config.decision_cooldown_steps))
+        """Whether ``decision_cooldown_steps`` passed since an action's apply step (or it never
+        ran)."""
+        latest = self.latest
+        return last_apply_step is None or (
+            latest is not None and latest >= last_apply_step + self.config.decision_cooldown_steps)
 
 
 def missed_key(action: Action, cause: Cause, scope: str = "cluster") -> str:

@@ -1,7 +1,4 @@
-"""The before/after experiment: the same training with the guard observing and acting, under
-the same injected faults (``raytrain-guard experiment``; :func:`runner.run_experiment`), and
-what exists only for it: the fault specs and their injection, the simulated card, the
-device-time model, the demo.
-
-Import-light: importing this package imports neither ray nor torch.
+"""The before/after experiment (``raytrain-guard experiment``; :func:`runner.run_experiment`)
+and what exists only for it: fault specs and injection, the simulated card, the device-time
+model, the demo. Importing this package imports neither ray nor torch.
 """

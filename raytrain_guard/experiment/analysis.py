@@ -2,30 +2,14 @@
 
 Every rank of every attempt appends JSON lines to ``trace/rank<r>.jsonl`` (``start``, ``step``,
 ``decision``, ``hang``, ``error``, ``end`` records, each with its process's ``attempt`` id and
-wall time) and, per micro-batch, the sample ids it consumed to ``audit/rank<r>.jsonl``.
-:func:`analyze_arm` turns them into the arm's figures: whether it completed, its attempts, the
-steps it computed twice, the audit of the samples its finished lineage consumed
-(:mod:`raytrain_guard.experiment.audit`), the step-time quantiles, data wait, peak memory,
-detections (matched to the faults they follow) and decisions with their predicted and measured
-effects. An arm whose ranks left no trace is no result: :class:`ArmTracesError`.
+wall time) and the sample ids it consumed to ``audit/rank<r>.jsonl``; :func:`analyze_arm` turns
+them into the arm's figures (the ARM object of docs/experiment.md), or raises
+:class:`ArmTracesError` when the ranks left no trace.
 
-**Dating a detection.** A detection is dated by the step during which, or at whose end, it
-reached the rank: a slow step or a straggler the rank recorded at the boundary after step ``s``
-(its ``applied_at`` is ``s + 1``, the steps finished) is dated ``s``, whether the rank's own gate
-or the coordinator decided it; a hang, which no boundary ends, by the step it hung in.
-
-**Lateness.** A detection names a fault (:func:`match_detections`, :func:`fault_outcomes`) only
-if it comes on one of the fault's ranks at or after the fault's first step and at most a bound
-after its last (:func:`fault_last_step`; a fault without an end has no bound). The bound
-(:class:`Lateness`) is what the detector's own path may add after the last step it saw: a
-rank's gate or watchdog (``source`` ``"rank"``) names a slowdown at the step that completes its
-evidence, and its evidence is the fault's own slow steps, so ``num_slow_steps`` (3) covers an
-effect that outlasts the fault by a step or two; the coordinator (``"cluster"``: stragglers)
-hears of a step in a rank's next report batch (``report_every_steps``, 10) and the ranks apply
-its decision at the next multiple of ``lockstep_every_steps`` (10). The runner derives both
-from the arm's guard config. A later detection with the right cause is another event (e.g. a
-split micro-batch's slower step), not that fault named. A detection in time comes within
-:data:`DETECTION_DELAY_TARGET_STEPS` of the fault's start.
+A detection is dated by the step during which, or at whose end, it reached the rank
+(:func:`detections_of`), and names a fault only on one of its ranks, at or after its start and
+at most :class:`Lateness` after its last step (:func:`can_name`). Why these bounds:
+docs/experiment.md ("Detections: their date, and how late they may come").
 """
 
 from __future__ import annotations
@@ -38,13 +22,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from raytrain_guard.core.hang import HangRecord, name_hung_rank
+from raytrain_guard.core.stats import nearest_rank
 from raytrain_guard.errors import GuardError
-from raytrain_guard.experiment.audit import AuditResult, audit_arm, lineage, lost_steps
+from raytrain_guard.experiment.audit import audit_arm, lost_steps
 from raytrain_guard.experiment.faults import FaultSpec
-
-__all__ = ["ArmTracesError", "AuditResult", "Lateness", "analyze_arm", "can_name",
-           "fault_last_step", "fault_outcomes", "lineage", "lost_steps", "match_detections", "read_jsonl",
-           "read_ranks"]
 
 #: decision records that say what was seen, not what was done
 DETECTION_ACTIONS = frozenset({"slow_step", "flag_straggler"})
@@ -55,7 +37,7 @@ DETECTION_DELAY_TARGET_STEPS = 5
 @dataclass(frozen=True)
 class Lateness:
     """How many steps after a fault's last step a detection may come and still name it, by the
-    detection's ``source`` (see the module docstring); the defaults are the guard's."""
+    detection's ``source``; the defaults are the guard's."""
 
     rank_steps: int = 3          # num_slow_steps
     cluster_steps: int = 20      # report_every_steps + lockstep_every_steps
@@ -94,12 +76,9 @@ def read_ranks(directory: str) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
-def quantile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank quantile (None for no values)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    """The nearest-rank quantile, rounded (None for no values)."""
+    return round(nearest_rank(sorted(values), q), 5) if values else None
 
 
 def _attempt_order(records: Iterable[Mapping[str, Any]]) -> list[str]:
@@ -145,9 +124,8 @@ def match_detections(faults: Sequence[FaultSpec], detections: Sequence[Mapping[s
 
 def fault_outcomes(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str, Any]], *,
                    lateness: Lateness = Lateness()) -> list[dict[str, Any]]:
-    """Per fault with a cause: the first detection that names that cause and can name the fault
-    (:func:`can_name`: its rank, not before it, at most its source's ``lateness`` after its last
-    step), and whether it came within :data:`DETECTION_DELAY_TARGET_STEPS` of its start."""
+    """Per fault with a cause: the first detection of that cause that can name it, and whether it
+    came within :data:`DETECTION_DELAY_TARGET_STEPS` of its start."""
     out = []
     for f in faults:
         if f.cause is None:
@@ -167,9 +145,8 @@ def fault_outcomes(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str
 def detections_of(decisions: Sequence[Mapping[str, Any]], hangs: Sequence[Mapping[str, Any]],
                   starts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Slow steps (``source`` ``"rank"``: the rank's gate), stragglers (``"cluster"``: the
-    coordinator) and hangs (``"rank"``: the watchdogs), each dated by the rule of the module
-    docstring: a decision recorded at ``applied_at`` (steps finished) by ``applied_at - 1``, a
-    hang by its step."""
+    coordinator) and hangs (``"rank"``: the watchdogs). A decision recorded at ``applied_at``
+    (steps finished) is dated ``applied_at - 1``, a hang by its step."""
     detections = [{"kind": f"slow_step ({d.get('cause')})", "rank": d.get("world_rank"),
                    "cause": d.get("cause"), "step": _dated(d), "source": "rank",
                    "reason": d.get("reason")}
@@ -182,8 +159,6 @@ def detections_of(decisions: Sequence[Mapping[str, Any]], hangs: Sequence[Mappin
 
 
 def _dated(decision: Mapping[str, Any]) -> int | None:
-    """The step a decision record dates a detection by: the last step finished when the rank
-    recorded it (``applied_at - 1``)."""
     applied = decision.get("applied_at")
     return None if applied is None else int(applied) - 1
 
@@ -192,13 +167,9 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
                 launch_error: str | None, wall_s: float, num_workers: int | None = None,
                 epoch_order: Callable[[int], Sequence[Any]] | None = None,
                 lateness: Lateness = Lateness()) -> dict[str, Any]:
-    """The ARM object of the experiment's report (see the module docstring).
-
-    ``num_workers``: the arm's workers; a rank below it without a trace raises
-    :class:`ArmTracesError` (as does an arm with no trace at all), naming the folder read.
-    ``epoch_order``: the sampler's order of an epoch's ids, for the exact audit
-    (:func:`raytrain_guard.experiment.audit.audit_arm`). ``lateness``: the bound on how late a
-    detection may name a fault."""
+    """The ARM object of the experiment's report. A rank below ``num_workers`` without a trace
+    raises :class:`ArmTracesError` naming the folder read. ``epoch_order``: the sampler's order
+    of an epoch's ids, for the exact audit (:func:`~raytrain_guard.experiment.audit.audit_arm`)."""
     trace_dir = os.path.join(arm_dir, "trace")
     traces = {r: records for r, records in read_ranks(trace_dir).items() if records}
     _check_traces(traces, trace_dir, num_workers, launch_error)
@@ -221,20 +192,19 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
                       num_samples=num_samples, step_samples=_step_samples(traces),
                       epoch_order=epoch_order, audit_dir=os.path.join(arm_dir, "audit"))
 
-    steps = [r for records in traces.values() for r in records if r.get("t") == "step"]
+    def records_of(kind: str) -> list[dict[str, Any]]:
+        return [r for records in traces.values() for r in records if r.get("t") == kind]
+
+    steps, errors, decisions, hangs = map(records_of, ("step", "error", "decision", "hang"))
     totals = [r["total_s"] for r in steps]
     in_fault = [r for r in steps if any(f.active(r["step"]) for f in faults)]
     fracs = [r["memory_frac"] for r in steps if r.get("memory_frac") is not None]
-    waits = sum(r.get("data_wait_s", 0.0) for r in steps)
-    errors = [r for records in traces.values() for r in records if r.get("t") == "error"]
-    decisions = [r for records in traces.values() for r in records if r.get("t") == "decision"]
-    hangs = [r for records in traces.values() for r in records if r.get("t") == "hang"]
     detections = detections_of(decisions, hangs, starts)
     completed = bool(ends) and launch_error is None
     train_wall = (ends[-1]["wall"] - starts[0]["wall"]) if ends and starts else None
     # rank 0's steps alone: start-up, checkpoints and restarts left out (the steps' own pace)
-    step_time = sum(r["total_s"] for r in rank0 if r.get("t") == "step")
-    rank0_steps = sum(1 for r in rank0 if r.get("t") == "step")
+    rank0_steps = [r for r in rank0 if r.get("t") == "step"]
+    step_time = sum(r["total_s"] for r in rank0_steps)
     return {
         "completed": completed,
         "error": None if completed else (_error_line(errors) or launch_error),
@@ -247,10 +217,10 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
         "train_wall_s": round(train_wall, 2) if train_wall else None,
         "samples_per_s": round(steps_done * micro * accum * world / train_wall, 1)
         if train_wall else None,
-        "step_samples_per_s": round(rank0_steps * micro * accum * world / step_time, 1)
+        "step_samples_per_s": round(len(rank0_steps) * micro * accum * world / step_time, 1)
         if step_time else None,
-        "step_p50_s": _round(quantile(totals, 0.5)), "step_p99_s": _round(quantile(totals, 0.99)),
-        "data_wait_frac": round(waits / sum(totals), 4) if totals and sum(totals) else None,
+        "step_p50_s": _quantile(totals, 0.5), "step_p99_s": _quantile(totals, 0.99),
+        "data_wait_frac": _wait_frac(steps),
         "fault_data_wait_frac": _wait_frac(in_fault),
         "peak_memory_frac": round(max(fracs), 4) if fracs else None,
         "batch_changes": [{"step": d.get("applied_at"), **d.get("params", {})}
@@ -313,25 +283,18 @@ def _wait_frac(steps: Sequence[Mapping[str, Any]]) -> float | None:
     return round(sum(r.get("data_wait_s", 0.0) for r in steps) / total, 4) if total else None
 
 
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 5)
-
-
 def _error_line(errors: Sequence[Mapping[str, Any]]) -> str | None:
     """``OutOfMemoryError on rank 1 at step 31`` for the error that caused the last attempt
     that failed to fail (:func:`_first_error_per_attempt`)."""
     if not errors:
         return None
     first = _first_error_per_attempt(errors)[-1]
-    return f"{first.get('error')} on rank {_rank_of(first)} at step {first.get('step')}"
+    rank = first.get("_rank", first.get("world_rank", "?"))
+    return f"{first.get('error')} on rank {rank} at step {first.get('step')}"
 
 
 #: errors a rank raises because another rank failed first
 _CONSEQUENCES = ("DistBackendError", "RuntimeError", "KeyboardInterrupt", "SystemExit")
-
-
-def _rank_of(record: Mapping[str, Any]) -> Any:
-    return record.get("_rank", record.get("world_rank", "?"))
 
 
 def _first_error_per_attempt(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -364,14 +327,11 @@ def _decision(d: Mapping[str, Any]) -> dict[str, Any]:
             "predicted": d.get("predicted"), "measured": d.get("measured")}
 
 
-#: a step's phases in order: the hung rank is the one that stopped earliest in its step
 def _hang_detections(hangs: Sequence[Mapping[str, Any]], starts: Sequence[Mapping[str, Any]]
                      ) -> list[dict[str, Any]]:
     """Per attempt, the hung rank by the coordinator's rule (:func:`raytrain_guard.core.hang.
     name_hung_rank`) over the watchdog records the ranks wrote down; an attempt whose ranks
     the rule cannot tell apart (a tie) names none."""
-    from raytrain_guard.core.hang import HangRecord, name_hung_rank
-
     out = []
     by_try: dict[Any, list[Mapping[str, Any]]] = defaultdict(list)
     for h in hangs:

@@ -1,33 +1,11 @@
 """The exactly-once audit of one arm: the sample ids its ranks consumed over the lineage that
 finished, step by step (standard library only).
 
-Every rank writes, per micro-batch, the ids it consumed (``audit/rank<r>.jsonl``: ``step``,
-``epoch``, ``ids``, ``attempt``). The lineage that finished is each step as the last attempt
-that ran it ran it (:func:`lineage`): a restart from a checkpoint recomputes some steps, and the
-recomputed ones count. :func:`audit_arm` checks every step of it, ``0 .. steps_done - 1``,
-whole epochs or not:
-
-* **Per step and rank, a count.** Rank ``r`` should consume ``micro_batch x grad_accum``
-  samples at a step (from that step's trace record), fewer only at an epoch's end, where the
-  sampler leaves each rank ``ceil(N / W) - position / W`` (without ``N``: at an epoch's last
-  step, the most any rank consumed there). A step no rank recorded is a gap: its samples are
-  lost.
-* **With the sampler's order** (``epoch_order(epoch)``: the epoch's permutation of ids; the
-  runner gives it for the built-in job, whose id is the sample's index): the ids themselves.
-  The sampler gives rank ``r`` every ``W``-th position of the permutation from the epoch's
-  position ``p`` at the step's start (positions past ``N`` wrap to the head: the padding), so
-  rank ``r``'s ids at the step must be ``order[p + r + W*i]`` for ``i < count``; ``p`` then
-  moves on by ``count x W``. Per epoch, ids the order holds at the audited positions but no
-  rank consumed are lost, ids consumed more often than it holds them are repeated, and ids
-  consumed at another step or rank than it puts them are misplaced.
-* **Without it** (your own dataset, whose ids need not be indices): no id twice within an
-  epoch's audited steps (less the sampler's padding of a whole epoch), the count per step and
-  rank (a short rank's missing samples are lost), and, for an epoch the lineage finished with
-  ``N`` known, every one of its ``N`` ids consumed.
-
-``samples_audited`` is the number of sample positions checked (counts x ranks, over the
-audited steps). Nothing checked (no step finished, a rank that trained but recorded no ids, a
-dataset whose samples carry no id) is "not audited": every figure None, never 0.
+Each rank writes, per micro-batch, the ids it consumed (``audit/rank<r>.jsonl``: ``step``,
+``epoch``, ``ids``, ``attempt``); :func:`lineage` keeps each step as the last attempt ran it, and
+:func:`audit_arm` checks every step of it: the count per step and rank, and the ids themselves
+against the sampler's order when ``epoch_order`` gives it. The rules: docs/experiment.md ("The
+audit of the samples consumed"). Nothing checked is "not audited": every figure None, never 0.
 """
 
 from __future__ import annotations
@@ -87,9 +65,7 @@ def lineage(audit: Sequence[Mapping[str, Any]], order: Sequence[str]
 
 def lost_steps(audit: Sequence[Mapping[str, Any]]) -> int:
     """Steps computed more than once (again after a restart), from one rank's audit."""
-    runs: Counter = Counter()
-    for _attempt, step in {(r.get("attempt"), int(r["step"])) for r in audit}:
-        runs[step] += 1
+    runs = Counter(step for _attempt, step in {(r.get("attempt"), int(r["step"])) for r in audit})
     return sum(n - 1 for n in runs.values())
 
 
@@ -98,13 +74,10 @@ def audit_arm(audits: Mapping[int, Sequence[Mapping[str, Any]]],
               num_samples: int | None, step_samples: Mapping[int, int] | None = None,
               epoch_order: Callable[[int], Sequence[Any]] | None = None,
               audit_dir: str = "audit") -> AuditResult:
-    """The audit of steps ``0 .. steps_done - 1`` (see the module docstring).
-
-    ``audits``/``orders``: per rank, its audit records and its attempt ids in start order.
-    ``step_samples``: {step: micro_batch x grad_accum} a rank should consume at that step (from
-    the trace; a step not in it takes the most any rank consumed there). ``epoch_order``: the
-    sampler's order of an epoch, for the exact check; ``num_samples`` (``N``) must be its
-    length. ``audit_dir``: named in a "not audited" reason."""
+    """The audit of steps ``0 .. steps_done - 1``. ``audits``/``orders``: per rank, its audit
+    records and its attempt ids in start order. ``step_samples``: {step: micro_batch x
+    grad_accum} from the trace (a step not in it: the most any rank consumed there).
+    ``epoch_order``: the sampler's order of an epoch, of length ``num_samples``."""
     if steps_done <= 0:
         return AuditResult.not_audited("no step finished")
     silent = [r for r in range(world_size) if not audits.get(r)]
@@ -183,9 +156,8 @@ class _Tally:
         self.foreign = self.short = 0
 
     def add(self, ids: Mapping[int, Sequence[Any]], count: int, *, last: bool) -> None:
-        """One step: every rank's ids, and what a rank should consume, clipped at the epoch's
-        end: to ``ceil(N / W) - position / W``, what the sampler leaves each rank, or without
-        ``N``, at the epoch's last step, to the most a rank consumed there."""
+        """One step: every rank's ids; ``count``, what a rank should consume, is clipped at the
+        epoch's end to what the sampler leaves each rank (without ``N``: the most consumed)."""
         w = self.world
         if self.n:
             count = max(0, min(count, -(-self.n // w) - self.position // w))
@@ -194,18 +166,14 @@ class _Tally:
         for r, got in ids.items():
             self.seen.update(got)
             if self.order is not None:
-                want = [self._at(self.position + r + w * i) for i in range(count)]
+                n = len(self.order)     # positions past the end wrap: the sampler's padding
+                want = [self.order[(self.position + r + w * i) % n] for i in range(count)]
                 self.expected.update(want)
                 self.foreign += sum((Counter(got) - Counter(want)).values())
             else:
                 self.short += max(0, count - len(got))
         self.audited += count * w
         self.position += count * w
-
-    def _at(self, position: int) -> Any:
-        order = self.order
-        return order[position] if position < len(order) else order[(position - len(order))
-                                                                     % len(order)]
 
     def close(self, *, whole: bool) -> None:
         """Fold the open epoch into the totals; ``whole``: the lineage finished it."""

@@ -1,11 +1,10 @@
 """A simulated card for CPU runs: :class:`SimulatedDevice` and its probe.
 
-The model's parameters, gradients and optimizer state, the tensors autograd saves in forward
-(counted through ``torch.autograd.graph.saved_tensors_hooks``) and held fault memory are real
-tensors counted against a fixed size; an allocation past it raises ``torch.OutOfMemoryError``
-inside the step, the exception CUDA raises. The same figures as the real card's
-(:class:`~raytrain_guard.runtime.guard.cuda_card.CudaCard`), so the loop prices micro-batches
-on either.
+Parameters, gradients and optimizer state, the tensors autograd saves in forward and held fault
+memory are counted against a fixed size; an allocation past it raises
+``torch.OutOfMemoryError`` inside the step, as CUDA does. It gives the real card's figures
+(:class:`~raytrain_guard.runtime.guard.cuda_card.CudaCard`), so the loop prices micro-batches on
+either.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ class SimulatedDevice:
         return self.static_bytes + self.held_bytes
 
     def measure_static(self, model: Any, optimizer: Any) -> int:
-        """Parameters, their gradients (trainable ones) and optimizer state: this rank's
-        shards under FSDP2 (a DTensor counts its local part)."""
+        """Parameters, their gradients and optimizer state (under FSDP2: this rank's shards)."""
         params = grads = 0
         local = [_local(p) for p in model.parameters()]
         self._parameter_storages = {t.untyped_storage().data_ptr() for t in local}
@@ -69,8 +67,7 @@ class SimulatedDevice:
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
-        """Count the tensors saved for backward inside the block (one micro-batch's forward
-        and backward); backward frees them, so the count ends at zero."""
+        """Count the tensors saved for backward inside the block (one micro-batch)."""
         self._storages.clear()
         self.activation_bytes = 0
         try:

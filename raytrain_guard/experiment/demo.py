@@ -1,18 +1,10 @@
 """``raytrain-guard demo``: a short default experiment on an embedded local Ray cluster.
 
-Two gloo workers train the built-in sequence model (:mod:`raytrain_guard.experiment.model`)
-twice under the same faults (:data:`DEMO_FAULTS`): rank 1 slowed down threefold for a stretch
-(the guard names compute on rank 1, by the same rules in both arms), then a stretch of
-sequences eight times longer that overflows rank 1's simulated card. Observing only, that run
-fails with
-``OutOfMemoryError`` on every attempt; acting, the guard prices the long batches before their
-forward, runs them in pieces within the same optimizer step and finishes with the same global
-batch. The side-by-side table and the report's path are printed.
-
-The demo knows what it exists to show (:func:`shortfalls`): the act arm finishes every step
-with every sample of its steps consumed once (audited) and the same global batch throughout,
-the observe arm does not finish, and the slowed rank's cause is named. When one of these does
-not hold it says which, and ``raytrain-guard demo`` exits 1.
+Two gloo workers train the built-in sequence model twice under :data:`DEMO_FAULTS`: rank 1
+slowed down threefold for a stretch, then a stretch of sequences eight times longer that
+overflows rank 1's simulated card. Observing, that run fails with ``OutOfMemoryError``; acting,
+the guard runs the long batches in pieces within the same optimizer step and finishes.
+:func:`shortfalls` says what of that did not happen (``raytrain-guard demo`` then exits 1).
 """
 
 from __future__ import annotations
@@ -31,10 +23,9 @@ DEMO_STEPS = 60
 
 
 def run_demo(*, out_dir: str | None = None, out: TextIO | None = None) -> dict[str, Any]:
-    """Run the demo experiment; print (to ``out``, default the current ``sys.stdout``) its
-    progress, table and report path; return its result, with ``shortfalls``
-    (:func:`shortfalls`). ``out_dir`` (default a new folder in the working directory) is
-    made absolute here."""
+    """Run the demo experiment, printing its progress, table and report path to ``out``
+    (default ``sys.stdout``); return its result, with ``shortfalls``. ``out_dir``: default a
+    new folder in the working directory."""
     from raytrain_guard.experiment.report import format_text
     from raytrain_guard.experiment.runner import ExperimentSetup, run_experiment
 
@@ -51,8 +42,7 @@ def run_demo(*, out_dir: str | None = None, out: TextIO | None = None) -> dict[s
         out.write(line + "\n")
         out.flush()
 
-    # absolute in the driver: the workers write the traces the report is made of, and a worker
-    # resolves a relative path in its own working directory (Ray's session folder)
+    # absolute in the driver: a worker resolves a relative path in its own working directory
     out_dir = os.path.abspath(out_dir or time.strftime("raytrain-guard-demo-%Y%m%d-%H%M%S"))
     result = run_experiment(setup, out_dir, progress=progress)
     out.write(format_text(result) + "\n")
@@ -67,9 +57,7 @@ def run_demo(*, out_dir: str | None = None, out: TextIO | None = None) -> dict[s
 def shortfalls(result: Mapping[str, Any], setup: Any) -> list[str]:
     """What of the demo's outcome did not happen, one phrase each (empty: all of it did): act
     finishes every step, audited with nothing lost, repeated or misplaced and one global batch
-    (``setup``'s) throughout; observe does not finish; the slowed rank's cause is named (by
-    its rank's gate in both arms: at the device-time model's 50 ms steps a threefold
-    slowdown stands far above a busy box's own noise)."""
+    throughout; observe does not finish; the slowed rank's cause is named in both arms."""
     arms = result["arms"]
     act, observe = arms.get("act", {}), arms.get("observe", {})
     out = []
@@ -101,4 +89,3 @@ def shortfalls(result: Mapping[str, Any], setup: Any) -> list[str]:
 def _named(arm: Mapping[str, Any], fault: Any) -> bool:
     return any(h["fault"] == str(fault) and h["named_at_step"] is not None
                for h in arm.get("fault_detection", ()))
-

@@ -1,16 +1,9 @@
 """GPU-like steps on a CPU: the host waits a set time in forward and backward, as it waits on a
-GPU's kernels.
-
-The built-in job computes about 8 ms a step on a CPU core, so the host's own noise (Ray Train's
-controller polls, a checkpoint, another process) is a large share of its steps; beside a GPU step
-of 50-100 ms it is not. :class:`DeviceTime` adds the device's time to every micro-batch: a forward
-hook on the model sleeps ``forward_s`` after the forward and, through an identity autograd
-function on the output, ``backward_s`` when backward starts. Sleeping releases the CPU, so 4-8
-ranks fit on 2 cores, and a rank's step is mostly time the host spends waiting, as beside a GPU.
-
-Device time scales with the batch: a micro-batch of ``k`` times the elements of the first one
-waits ``k`` times as long (a long-sequence spike takes longer, its pieces shorter).
-``slow_compute`` stretches it (:attr:`DeviceTime.factor`).
+GPU's kernels, so the host's own noise is as small a share of a step as beside a GPU
+(docs/experiment.md). A forward hook sleeps the forward's share and, through an identity
+autograd function on the output, the backward's when backward starts; sleeping frees the CPU.
+Device time scales with the micro-batch's elements; ``slow_compute`` stretches it
+(:attr:`DeviceTime.factor`).
 """
 
 from __future__ import annotations

@@ -2,15 +2,14 @@
 
 A spec is written ``KIND:key=value,...`` (``slow_compute:rank=1,start=25,factor=2.5``). Every
 kind takes ``rank`` (or ``ranks=0+1``), ``start`` (the step it begins at) and an optional
-``stop`` (the first step without it). :data:`KINDS` lists each kind's own keys, what it
-rehearses and the cause a guard should name for it. ``crash`` and ``hang`` are transient, as a
-lost node or a wedged driver is: they happen once per run, on the first attempt that reaches
-``start``, so a restarted group trains on.
+``stop`` (the first step without it). What each kind rehearses and where it is injected:
+docs/experiment.md ("Faults"). ``crash`` and ``hang`` are transient, as a lost node or a wedged
+driver is: they fire once per run, so a restarted group trains on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,31 +19,23 @@ from raytrain_guard.units import parse_bytes
 
 @dataclass(frozen=True)
 class FaultKind:
-    """One kind of fault: its own keys (name -> (parser, default; None: required)), what it
-    rehearses, and the cause a guard should name (None: no slow-step cause, e.g. memory)."""
+    """One kind of fault: its own keys (name -> (parser, default; None: required)), an example
+    spec, the cause a guard should name (None: no slow-step cause, e.g. memory), and whether it
+    fires once per run."""
 
     keys: Mapping[str, tuple[Any, Any]]
-    rehearses: str
+    example: str
     cause: str | None = None
     once: bool = False
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError("must be > 0")
-    return value
-
-
-def _factor(text: str) -> float:
-    value = float(text)
-    if not value > 1:
-        raise ValueError("must be > 1")
-    return value
-
-
-def _size(text: str) -> int:
-    return parse_bytes(text)
+def _above(bound: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value > bound:
+            raise ValueError(f"must be > {bound:g}")
+        return value
+    return parse
 
 
 def _positive_int(text: str) -> int:
@@ -52,27 +43,19 @@ def _positive_int(text: str) -> int:
 
 
 KINDS: Mapping[str, FaultKind] = {
-    "comm_delay": FaultKind({"seconds": (_positive_float, None)},
-                            "a slow or congested link: the rank's gradient communication waits "
-                            "`seconds` per step (DDP's communication hook; FSDP2's first timed "
-                            "reduce-scatter: every unit's on gloo, the root's on CUDA)",
-                            "communication"),
-    "slow_compute": FaultKind({"factor": (_factor, None)},
-                              "a down-clocked GPU: the rank's forward and backward take `factor` "
-                              "times as long", "compute"),
-    "slow_data": FaultKind({"seconds": (_positive_float, None)},
-                           "slow storage: each sample of the rank's dataset takes `seconds` to "
-                           "read, in its DataLoader workers", "data"),
-    "memory_growth": FaultKind({"per_step": (_size, None)},
-                               "a leak: the rank holds `per_step` more device memory every step"),
+    "comm_delay": FaultKind({"seconds": (_above(0), None)},
+                            "comm_delay:rank=1,start=20,seconds=0.02", "communication"),
+    "slow_compute": FaultKind({"factor": (_above(1), None)},
+                              "slow_compute:rank=1,start=25,factor=2.5", "compute"),
+    "slow_data": FaultKind({"seconds": (_above(0), None)},
+                           "slow_data:rank=1,start=20,seconds=0.01", "data"),
+    "memory_growth": FaultKind({"per_step": (parse_bytes, None)},
+                               "memory_growth:rank=1,start=10,per_step=1MiB"),
     "activation_spike": FaultKind({"factor": (_positive_int, None), "steps": (_positive_int, 1)},
-                                  "a stretch of long documents: `steps` steps whose batches are "
-                                  "`factor` times longer, so activations grow with them"),
-    "host_memory": FaultKind({"size": (_size, None)},
-                             "another process on the rank's node holds `size` of host RAM"),
-    "crash": FaultKind({}, "the rank's process dies at `start` (once per run)", once=True),
-    "hang": FaultKind({}, "the rank blocks forever in its step from `start` (once per run)",
-                      once=True),
+                                  "activation_spike:rank=1,start=30,factor=8,steps=3"),
+    "host_memory": FaultKind({"size": (parse_bytes, None)}, "host_memory:rank=0,start=10,size=2GiB"),
+    "crash": FaultKind({}, "crash:rank=1,start=40", once=True),
+    "hang": FaultKind({}, "hang:rank=1,start=40", once=True),
 }
 
 _COMMON = ("rank", "ranks", "start", "stop")
@@ -152,7 +135,7 @@ def parse_fault(text: str, *, world_size: int | None = None) -> FaultSpec:
                          fix=f"use ranks 0..{(world_size or 1) - 1}")
     if "start" not in values:
         raise InputError(flag, f"{kind}: missing start", value=text,
-                         fix=f"add start=STEP, e.g. {_EXAMPLES[kind]}")
+                         fix=f"add start=STEP, e.g. {spec.example}")
     start = _parse_key(kind, "start", values["start"], _step, text)
     stop = _parse_key(kind, "stop", values["stop"], _step, text) if "stop" in values else None
     if stop is not None and stop <= start:
@@ -163,7 +146,7 @@ def parse_fault(text: str, *, world_size: int | None = None) -> FaultSpec:
         if key not in values:
             if default is None:
                 raise InputError(flag, f"{kind}: missing {key}", value=text,
-                                 fix=f"add {key}=..., e.g. {_EXAMPLES[kind]}")
+                                 fix=f"add {key}=..., e.g. {spec.example}")
             params[key] = default
             continue
         params[key] = _parse_key(kind, key, values[key], parse, text)
@@ -183,16 +166,4 @@ def _parse_key(kind: str, key: str, value: str, parse: Any, text: str) -> Any:
     except ValueError as exc:
         why = str(exc)
     raise InputError("--fault", f"{kind}: {key}={value} is not valid ({why})", value=text,
-                     fix=f"e.g. {_EXAMPLES[kind]}")
-
-
-_EXAMPLES = {
-    "comm_delay": "comm_delay:rank=1,start=20,seconds=0.02",
-    "slow_compute": "slow_compute:rank=1,start=25,factor=2.5",
-    "slow_data": "slow_data:rank=1,start=20,seconds=0.01",
-    "memory_growth": "memory_growth:rank=1,start=10,per_step=1MiB",
-    "activation_spike": "activation_spike:rank=1,start=30,factor=8,steps=3",
-    "host_memory": "host_memory:rank=0,start=10,size=2GiB",
-    "crash": "crash:rank=1,start=40",
-    "hang": "hang:rank=1,start=40",
-}
+                     fix=f"e.g. {KINDS[kind].example}")

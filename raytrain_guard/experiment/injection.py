@@ -1,12 +1,7 @@
 """Injected faults inside a training worker: :class:`FaultRuntime`, the shared train loop's
-rehearsal (:class:`~raytrain_guard.runtime.loop.rehearsal.Rehearsal`).
-
-It applies one rank's :class:`~raytrain_guard.experiment.faults.FaultSpec` values where a real
-failure would show: a slower device time, or without one a sleep after backward (a slow GPU),
-a late DDP allreduce or FSDP2 reduce-scatter (a slow link), a sleep in the dataset's
-``__getitem__`` in the DataLoader workers (slow storage), device memory held step after step (a
-leak), longer sequences in the batch (long documents), a process holding host RAM, a crash, a
-hang.
+rehearsal (:class:`~raytrain_guard.runtime.loop.rehearsal.Rehearsal`), applies one rank's
+:class:`~raytrain_guard.experiment.faults.FaultSpec` values where a real failure would show
+(docs/experiment.md, "Faults").
 """
 
 from __future__ import annotations
@@ -68,13 +63,10 @@ class FaultRuntime(Rehearsal):
     """The faults of one rank (``specs`` filtered to it), applied at the loop's seams.
 
     ``marker_dir``: where ``crash`` and ``hang`` leave a marker when they fire, so that they
-    fire once per run (a restarted group finds it). ``card``: the rank's simulated card (fault
-    memory is held there), or None on a real card (fault memory is a tensor on
-    ``torch_device``). ``device_time``: the device-time model
-    (:class:`~raytrain_guard.experiment.device_time.DeviceTime`). ``injector``: a
-    :class:`~raytrain_guard.experiment.rehearsal.FaultInjector` for phase delays (the step
-    guard's marks) and for ``memory`` (``{"step", "frac"}``: this rank's memory probe filled to
-    ``frac`` at ``step``).
+    fire once per run. ``card``: the rank's simulated card, where fault memory is held (None: a
+    tensor on ``torch_device``). ``injector``: a
+    :class:`~raytrain_guard.experiment.rehearsal.FaultInjector` for phase delays and for
+    ``memory`` (``{"step", "frac"}``: the memory probe filled to ``frac`` at ``step``).
     """
 
     def __init__(self, specs: Sequence[FaultSpec], *, world_rank: int, marker_dir: str | None,
@@ -178,32 +170,36 @@ class FaultRuntime(Rehearsal):
                 self.num_injected += 1
                 self._sleep((float(spec.params["factor"]) - 1.0) * elapsed_s)
 
-    def delay_comm(self) -> None:
-        """A slow link under FSDP2: the first reduce-scatter of a step while a ``comm_delay``
-        is active starts ``seconds`` late (the peers wait for it inside the collective)."""
+    def _comm_delay_s(self) -> float:
+        """The delay of this step's first communication while a ``comm_delay`` is active; 0
+        for the step's later ones."""
         seconds = sum(float(s.params["seconds"]) for s in self.of("comm_delay")
                       if s.active(self.step))
         if not seconds or self._comm_slept_step == self.step:
-            return
+            return 0.0
         self._comm_slept_step = self.step
         self.num_injected += 1
-        self._sleep(seconds)
+        return seconds
+
+    def delay_comm(self) -> None:
+        """A slow link under FSDP2: the step's first reduce-scatter starts late (the peers wait
+        for it inside the collective)."""
+        seconds = self._comm_delay_s()
+        if seconds:
+            self._sleep(seconds)
 
     def comm_hook(self) -> Any:
-        """A DDP communication hook (allreduce) whose futures complete ``seconds`` late once
-        per step while a ``comm_delay`` is active; None without one."""
-        specs = self.of("comm_delay")
-        if not specs:
+        """A DDP communication hook (allreduce) whose future completes late once per step while
+        a ``comm_delay`` is active; None without one."""
+        if not self.of("comm_delay"):
             return None
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def delayed_allreduce(state, bucket):  # unannotated: DDP checks hook annotations
             future = allreduce_hook(state, bucket)
-            seconds = sum(float(s.params["seconds"]) for s in specs if s.active(self.step))
-            if not seconds or self._comm_slept_step == self.step:
+            seconds = self._comm_delay_s()
+            if not seconds:
                 return future
-            self._comm_slept_step = self.step
-            self.num_injected += 1
 
             def late(fut: Any) -> Any:
                 self._sleep(seconds)

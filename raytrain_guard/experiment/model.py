@@ -1,9 +1,6 @@
-"""The experiment's built-in job: a small sequence model whose activations grow with the data.
-
-Each sample is a sequence of ``seq_len`` vectors (``{"id", "x": (seq_len, dim), "y": (1,)}``);
-the model runs an MLP on every position and averages them, so its activations scale with the
-sequence length as a transformer's do, and a batch of longer sequences (the
-``activation_spike`` fault) needs proportionally more memory. Tensor-backed, fast on CPU.
+"""The experiment's built-in job: a small sequence model whose activations grow with the
+sequence length, as a transformer's do (so an ``activation_spike`` needs more memory). Each
+sample is ``{"id", "x": (seq_len, dim), "y": (1,)}``.
 """
 
 from __future__ import annotations
@@ -13,11 +10,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 DIM = 32
-#: 128 positions: a step of ~8 ms on a 2-core CPU box, two thirds of it compute, so most of the
-#: box's own bursts (Ray Train's controller, a checkpoint: 10-30 ms of CPU) reach one or two
-#: steps, as they would next to a GPU step. At 32 positions (3 ms steps) they made 3-8 slow
-#: steps in a row: 23 slow-step events in 18,361 clean rank-steps; at 128, 7 in 33,600
-#: (docs/benchmarks.md, "The before/after experiment")
+#: 128 positions: a step of ~8 ms on a 2-core CPU box, long enough that the box's own bursts
+#: reach one or two steps, not several (docs/benchmarks.md, "The before/after experiment")
 SEQ_LEN = 128
 NUM_SAMPLES = 1600       # divisible by 2, 4 and 8 ranks at micro-batch 8: no sampler padding
 

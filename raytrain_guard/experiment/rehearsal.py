@@ -1,11 +1,8 @@
-"""The experiment's rehearsal of the shared train loop, built from ``LoopConfig.faults``.
-
-``faults = {"inject": [FaultSpec dicts], "marker_dir": dir, "device_step_s": s,
-"delay": [{"seconds", "phase", "ranks", "steps": [lo, hi)}], "ballast_bytes": {"<rank>": n},
-"memory": [{"rank", "step", "frac"}]}``: :func:`build_rehearsal` (the loop's ``rehearsal``
-factory) turns it into one rank's :class:`~raytrain_guard.experiment.injection.FaultRuntime`
-with a simulated card where ``device_memory_bytes`` asks one on a CPU, the device-time model,
-and a :class:`FaultInjector` for the phase delays, ballast and memory fills.
+"""The experiment's rehearsal of the shared train loop: :func:`build_rehearsal` turns
+``LoopConfig.faults`` (``{"inject": [FaultSpec dicts], "marker_dir", "device_step_s", "delay":
+[{"seconds", "phase", "ranks", "steps": [lo, hi)}], "ballast_bytes": {"<rank>": n}, "memory":
+[{"rank", "step", "frac"}]}``) into one rank's
+:class:`~raytrain_guard.experiment.injection.FaultRuntime`.
 """
 
 from __future__ import annotations
@@ -50,13 +47,8 @@ def build_rehearsal(config: Any, *, world_rank: int, device: Any) -> FaultRuntim
 
 
 class FaultInjector:
-    """Delays in a phase on chosen ranks and steps, and ballast memory.
-
-    ``StepGuard(fault_injector=...)`` calls :meth:`on_mark` before each phase mark, so an
-    injected delay counts as that phase (``"forward"``: a compute straggler, ``"data"``: a
-    slow loader), and for ``"optimizer"`` at ``end_step`` when the loop leaves that phase
-    unmarked (the rest after the backward mark is the optimizer's).
-    """
+    """Delays in a phase on chosen ranks and steps, and ballast memory. The step guard calls
+    :meth:`on_mark` before each phase mark, so an injected delay counts as that phase."""
 
     def __init__(self, *, world_rank: int = 0, sleep: Callable[[float], None] = time.sleep) -> None:
         self.world_rank = world_rank
@@ -87,8 +79,7 @@ class FaultInjector:
             self._sleep(seconds)
 
     def allocate_ballast(self, num_bytes: int, *, device: Any = "cpu") -> None:
-        """Hold ``num_bytes`` of resident memory (touched, so RSS grows); on a CUDA device, a
-        tensor of that size."""
+        """Hold ``num_bytes`` of resident memory (on a CUDA device, a tensor of that size)."""
         if num_bytes <= 0:
             raise InputError("num_bytes", "must be > 0", value=num_bytes, fix="pass a size")
         if str(device).startswith("cuda"):

@@ -1,8 +1,5 @@
-"""The experiment's report: the side-by-side table, the fault schedule, and the plots.
-
-``report.md`` holds one column per arm; ``timeline.png`` shows, for both arms on shared axes,
-the step time per rank, the memory fraction per rank against the watermark and critical lines,
-and the data wait, with decisions and detections as markers. matplotlib draws off-screen (Agg).
+"""The experiment's report: ``report.md`` (the side-by-side table, one column per arm, the fault
+schedule, detections and decisions) and ``timeline.png``.
 """
 
 from __future__ import annotations
@@ -11,7 +8,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from raytrain_guard.config import GuardConfig
 from raytrain_guard.experiment import analysis
 from raytrain_guard.experiment.audit import NOT_AUDITED
 
@@ -31,6 +27,9 @@ ROWS: Sequence[tuple[str, str, str]] = (
 )
 
 
+_FORMATS = {"s": "{:.1f} s", "ms": "{:.1f} ms", "pct": "{:.1%}", "float": "{:.1f}"}
+
+
 def _cell(arm: Mapping[str, Any], key: str, kind: str) -> str:
     value = arm.get(key)
     if value is None:
@@ -44,14 +43,8 @@ def _cell(arm: Mapping[str, Any], key: str, kind: str) -> str:
         return "yes" if value else "**no**"
     if kind == "steps":
         return f"{value}/{arm.get('total_steps')}"
-    if kind == "s":
-        return f"{value:.1f} s"
-    if kind == "ms":
-        return f"{value * 1000:.1f} ms"
-    if kind == "pct":
-        return f"{value:.1%}"
-    if kind == "float":
-        return f"{value:.1f}"
+    if kind in _FORMATS:
+        return _FORMATS[kind].format(value * 1000 if kind == "ms" else value)
     return str(value).replace("|", "/")
 
 
@@ -92,7 +85,7 @@ def format_text(result: Mapping[str, Any]) -> str:
 def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[str, list[str]]:
     """``report.md`` and the plots in ``out_dir``; returns their paths."""
     plots = [plot_timeline(out_dir, result["arms"], setup)]
-    guard = GuardConfig.from_dict(dict(setup.guard)) if setup.guard else GuardConfig()
+    guard = setup.guard_config()
     lines = [
         "# raytrain-guard experiment", "",
         f"Faults: {', '.join(result['faults']) or 'none'}", "",
@@ -147,7 +140,7 @@ def plot_timeline(out_dir: str, arms: Mapping[str, Mapping[str, Any]], setup: An
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    guard = GuardConfig.from_dict(dict(setup.guard)) if setup.guard else GuardConfig()
+    guard = setup.guard_config()
     fig, (ax_t, ax_m, ax_d) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
     styles = {"observe": "--", "act": "-"}
     for arm in arms:

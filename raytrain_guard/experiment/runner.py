@@ -1,22 +1,12 @@
 """The before/after experiment: the same training with the guard observing and acting.
 
 :func:`run_experiment` runs one training per arm on the Ray cluster ``ray.init()`` finds (a local
-one by default), same seed, same data order, same fault schedule, each under
-``FailureConfig(max_failures)`` as a user would run it:
-
-* ``observe``: the shared train loop with every measurement on and every action off (the same
-  code path: the gate, the coordinator and the watchdog decide; nothing is applied);
-* ``act``: the guard as shipped, with ``restart_after_stop`` (a guard stop checkpoints and has
-  Ray restart the group from that checkpoint in fresh processes).
-
-It then reads what each arm's ranks wrote (:mod:`raytrain_guard.experiment.analysis`) and
-writes ``report.md`` and the plots (:mod:`raytrain_guard.experiment.report`).
-
-Every folder the ranks write to (the report folder, each arm's trace, audit and marker folders,
-Ray Train's storage) is made absolute here, in the driver: a Ray worker runs in its own working
-directory (Ray's session folder), where a relative path would land elsewhere. An arm whose
-ranks left no trace in the folder it reads raises :class:`~raytrain_guard.experiment.analysis.
-ArmTracesError` naming that folder.
+one by default), same seed, data order and fault schedule, each under
+``FailureConfig(max_failures)``: ``observe`` (the shared train loop with every measurement on
+and every action off) and ``act`` (the guard as shipped, with ``restart_after_stop``). It then
+reads what each arm's ranks wrote (:mod:`~raytrain_guard.experiment.analysis`) and writes
+``report.md`` and the plots (:mod:`~raytrain_guard.experiment.report`). Every folder the ranks
+write to is made absolute in the driver: a Ray worker runs in its own working directory.
 """
 
 from __future__ import annotations
@@ -84,6 +74,9 @@ class ExperimentSetup:
     def built_in(self) -> bool:
         return dict(self.factories) == BUILT_IN
 
+    def guard_config(self) -> GuardConfig:
+        return GuardConfig.from_dict(dict(self.guard))
+
     def check(self) -> None:
         """Bad input as one InputError naming the flag and the fix."""
         for arm in self.arms:
@@ -117,8 +110,7 @@ class ExperimentSetup:
 
 
 def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any]:
-    """The train loop's config of one arm (the same for both but ``act``); its folders are
-    absolute (relative ones are taken from the driver's working directory)."""
+    """The train loop's config of one arm (the same for both but ``act``), its folders absolute."""
     act = arm == "act"
     arm_dir = os.path.abspath(arm_dir)
     config: dict[str, Any] = {
@@ -140,9 +132,8 @@ def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any
 
 def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
             namespace: str = "raytrain_guard") -> dict[str, Any]:
-    """Run one arm and return its figures (the ARM object of the report). ``arm_dir`` is taken
-    from the driver's working directory when relative; :class:`~raytrain_guard.experiment.
-    analysis.ArmTracesError` when the arm's ranks left no trace there."""
+    """Run one arm and return its figures (the ARM object of the report); ArmTracesError when
+    its ranks left no trace in ``arm_dir``."""
     from raytrain_guard.cluster.launcher import launch
 
     arm_dir = os.path.abspath(arm_dir)
@@ -153,7 +144,7 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
     try:
         summary = launch(
             loop_config(setup, arm, arm_dir), num_workers=setup.num_workers,
-            config=GuardConfig.from_dict(dict(setup.guard)) if setup.guard else None,
+            config=setup.guard_config(),
             plan=False, run_id=f"{arm}-{uuid.uuid4().hex[:6]}", namespace=namespace,
             storage_path=storage, max_failures=setup.max_failures,
             collective_timeout_s=setup.collective_timeout_s)
@@ -180,9 +171,7 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
 def run_experiment(setup: ExperimentSetup, out_dir: str, *,
                    progress: Callable[[str], None] | None = None,
                    namespace: str = "raytrain_guard") -> dict[str, Any]:
-    """Every arm, one after the other, then the report. Returns the ``--json`` object.
-    ``out_dir`` is taken from the driver's working directory when relative (the paths in the
-    result are absolute)."""
+    """Every arm, one after the other, then the report. Returns the ``--json`` object."""
     import ray
 
     from raytrain_guard.experiment.report import write_report
@@ -231,9 +220,8 @@ def _num_samples(setup: ExperimentSetup) -> int | None:
 
 
 def _epoch_order(setup: ExperimentSetup) -> Callable[[int], list[int]] | None:
-    """The built-in job's order of an epoch's sample ids (its id is the sample's index): the
-    loop's sampler's permutation, for the exact audit; None for your own job, whose ids need
-    not be indices."""
+    """The built-in job's order of an epoch's sample ids (its id is the sample's index), for the
+    exact audit; None for your own job, whose ids need not be indices."""
     if not setup.built_in:
         return None
     from raytrain_guard.experiment.model import NUM_SAMPLES
@@ -253,24 +241,19 @@ def _epoch_order(setup: ExperimentSetup) -> Callable[[int], list[int]] | None:
 
 
 def detection_lateness(setup: ExperimentSetup) -> analysis.Lateness:
-    """How late a detection may come after a fault's last step and still name it, under the
-    arm's guard config: a rank's gate, ``num_slow_steps``; the coordinator, a report batch and
-    then the lockstep step the ranks apply its decision at."""
-    guard = GuardConfig.from_dict(dict(setup.guard)) if setup.guard else GuardConfig()
+    """How late a detection may come after a fault's last step and still name it: a rank's
+    gate, ``num_slow_steps``; the coordinator, a report batch and then a lockstep step."""
+    guard = setup.guard_config()
     return analysis.Lateness(rank_steps=guard.num_slow_steps,
                              cluster_steps=guard.report_every_steps + guard.lockstep_every_steps)
 
 
 def _device_line(setup: ExperimentSetup) -> str:
+    import torch
     card = setup.card_bytes()
-    try:
-        import torch
-        cuda = torch.cuda.is_available()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        cuda = False
     if card is None:
         return "no device-memory limit (memory faults off)"
-    if cuda:
+    if torch.cuda.is_available():
         return f"CUDA card capped at {card / MiB:.0f} MiB (set_per_process_memory_fraction)"
     return (f"simulated card of {card / MiB:.1f} MiB per rank on CPU (parameters, gradients, "
             "optimizer state, saved activations and fault memory counted; past it "

@@ -90,9 +90,9 @@ class TransformerShape:
         if self.hidden % self.heads:
             raise PlanInputError("heads", f"must divide hidden={self.hidden}", value=self.heads,
                                  fix="choose a head count that divides the hidden size")
-        kv = self.num_kv_heads if self.num_kv_heads is not None else self.heads
-        if self.heads % kv:
-            raise PlanInputError("num_kv_heads", f"must divide heads={self.heads}", value=kv,
+        if self.heads % self.kv_heads:
+            raise PlanInputError("num_kv_heads", f"must divide heads={self.heads}",
+                                 value=self.kv_heads,
                                  fix="choose a key/value head count that divides the heads")
         norm = self.norm if self.norm is not None else (
             Norm.LAYERNORM if self.bias else Norm.RMSNORM)
@@ -103,9 +103,12 @@ class TransformerShape:
         return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
 
     @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.heads
+
+    @property
     def kv_dim(self) -> int:
-        kv = self.num_kv_heads if self.num_kv_heads is not None else self.heads
-        return self.hidden // self.heads * kv
+        return self.hidden // self.heads * self.kv_heads
 
     @property
     def attention_kv_dim(self) -> int:
@@ -186,8 +189,6 @@ def layer_activation_bytes(shape: TransformerShape, micro_batch: int, precision:
     """Bytes one layer keeps for backward while the other layers run: everything without
     recompute; the ``s^2`` terms dropped under ``selective``; the block input and the
     saved outputs under ``per-op``; the block input under ``full``."""
-    precision, attention, recompute = (Precision(precision), AttentionKernel(attention),
-                                       Recompute(recompute))
     parts = layer_parts(shape, micro_batch, precision, attention)
     if recompute is Recompute.NONE:
         return sum(parts.values())

@@ -1,11 +1,9 @@
 """What the planner needs from a user's data (torch adapter): bytes of a real batch, and whether
 the dataset keeps its samples in Python lists.
 
-A batch is what a DataLoader yields: a tensor, a numpy array, or a dict/list/tuple nesting them
-(plain values such as strings and ints hold no buffer a loader would pin, and count 0). The
-walkers are :mod:`raytrain_guard.planner.batches`'s; the guarded DataLoader's probe is
-:func:`measure_dataset` and its copy-on-read check :func:`is_list_backed`, so the CLI's plan and
-the running loader measure a dataset alike.
+The batch walkers are :mod:`raytrain_guard.planner.batches`'s; the guarded DataLoader's probe
+is :func:`measure_dataset` and its copy-on-read check :func:`is_list_backed`, so the CLI's plan
+and the running loader measure a dataset alike.
 
 List-backed datasets matter because of copy-on-read: a forked DataLoader worker that reads a
 Python object writes its reference count, so the page holding it is copied into the worker.

@@ -162,10 +162,7 @@ def in_flight_bytes(model: ModelStats, setup: TrainingSetup, config: GuardConfig
     if setup.strategy not in (Strategy.DDP, Strategy.ZERO1) or setup.world_size == 1 or \
             model.num_trainable_params == 0:
         return 0
-    elem = PARAM_BYTES[setup.precision]
-    free = recommend_bucket_cap(grad_bytes=model.num_trainable_params * elem, config=config,
-                                param_bytes=tuple(n * elem for n in model.param_numels),
-                                bandwidth_curve=bandwidth_curve)
+    free = _recommend(model, setup, config, bandwidth_curve, None)
     return int(config.num_buckets_in_flight * free.bucket_cap_mb * MiB)
 
 
@@ -182,14 +179,15 @@ def bucket_plan(model: ModelStats, setup: TrainingSetup, config: GuardConfig,
         return None
     if setup.world_size == 1:   # the memory model's note says why: no DDP wrapper, no buckets
         return None
-    elem = PARAM_BYTES[setup.precision]
-    smallest = config.num_buckets_in_flight * MiB / 16
-    if slack < smallest:
+    if slack < config.num_buckets_in_flight * MiB / 16:
         warnings.append("no device memory left for larger DDP buckets: bucket_cap_mb not "
                         "bounded by memory (the plan is already at or over its budget)")
-        slack_arg = None
-    else:
-        slack_arg = slack
+        slack = None
+    return _recommend(model, setup, config, bandwidth_curve, slack)
+
+
+def _recommend(model, setup, config, bandwidth_curve, slack: int | None) -> BucketPlan:
+    elem = PARAM_BYTES[setup.precision]
     return recommend_bucket_cap(grad_bytes=model.num_trainable_params * elem, config=config,
                                 param_bytes=tuple(n * elem for n in model.param_numels),
-                                bandwidth_curve=bandwidth_curve, memory_slack_bytes=slack_arg)
+                                bandwidth_curve=bandwidth_curve, memory_slack_bytes=slack)

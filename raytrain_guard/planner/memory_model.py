@@ -58,8 +58,7 @@ DEFAULT_FSDP_UNIT_FRAC = 1 / 8
 
 
 def default_fsdp_unit_params(num_params: int) -> int:
-    """The largest FSDP unit assumed when only the parameter count is known
-    (:data:`DEFAULT_FSDP_UNIT_FRAC` of it, at least one parameter)."""
+    """The largest FSDP unit assumed from the parameter count alone (at least 1)."""
     return max(1, math.ceil(num_params * DEFAULT_FSDP_UNIT_FRAC))
 
 
@@ -113,12 +112,9 @@ class TrainingSetup:
     fsdp_grad_sync: GradSync = DEFAULT_GRAD_SYNC  # FSDP with grad_accum > 1 (docs/memory_model.md)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "strategy", coerce_enum(Strategy, self.strategy, "strategy"))
-        object.__setattr__(self, "fsdp_grad_sync",
-                           coerce_enum(GradSync, self.fsdp_grad_sync, "fsdp_grad_sync"))
-        object.__setattr__(self, "precision", coerce_enum(Precision, self.precision, "precision"))
-        object.__setattr__(self, "optimizer",
-                           coerce_enum(OptimizerKind, self.optimizer, "optimizer"))
+        for name, kind in (("strategy", Strategy), ("fsdp_grad_sync", GradSync),
+                           ("precision", Precision), ("optimizer", OptimizerKind)):
+            object.__setattr__(self, name, coerce_enum(kind, getattr(self, name), name))
         for name in ("micro_batch", "grad_accum", "world_size"):
             check_int(name, getattr(self, name), at_least=1, error=PlanInputError,
                       fix=f"set {name} to 1 or more")
@@ -257,13 +253,11 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
 
     # -- communication buffers: FSDP's all-gather buffers (the unit computed and the one
     # prefetched) and, late in backward only, its reduce-scatter buffers (trainable units) --
-    bucket = 0
-    comm_bw = 0
-    comm_opt = 0
-    comm_late = 0
+    bucket = comm_bw = comm_opt = comm_late = unsharded_late = 0
     unsharded = 0     # fsdp-grad-op: parameters gathered from forward to the end of backward
-    unsharded_late = 0
     gather_fw = 0     # fsdp-grad-op: all-gather buffers of the unit gathered in forward
+    root, block = model.root_unit_params, model.largest_block_unit_params
+    units_known = root is not None and block is not None
     rs_unit = unit if model.largest_trainable_unit_params is None \
         else model.largest_trainable_unit_params
     rs_unit = min(rs_unit, trainable)
@@ -277,8 +271,7 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         else:
             notes.append("world size 1: Ray's prepare_model does not wrap DDP, no buckets")
     elif strat is Strategy.FSDP_FULL:
-        root, block = model.root_unit_params, model.largest_block_unit_params
-        if root is not None and block is not None:
+        if units_known:
             comm_bw = (root + 2 * block) * p_b
             gathered = (f"the root unit ({root} params, gathered from forward to the end of "
                         f"backward) and 2 all-gather buffers of the largest other unit "
@@ -288,26 +281,19 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
             gathered = f"2 all-gather buffers of the largest unit ({unit} params)"
         # forward, as the largest unit is gathered: its all-gather output beside its unsharded
         # copy (and the root, gathered first and kept)
-        gather_fw = (max(2 * root, root + 2 * block) if root is not None and block is not None
-                     else 2 * unit) * p_b
+        gather_fw = (max(2 * root, root + 2 * block) if units_known else 2 * unit) * p_b
         # late: the unit reducing was resharded first; only the prefetched one is gathered
-        prefetched = (root + block) if root is not None and block is not None else unit
+        prefetched = root + block if units_known else unit
         comm_late = prefetched * p_b + 2 * rs_unit * reduce_b
         notes.append(f"FSDP: {gathered} from the start of backward, {p_b} bytes a parameter; "
                      f"2 reduce-scatter buffers of the largest trainable unit ({rs_unit} "
                      f"params, {reduce_b} bytes each) only late in backward, next to one "
                      f"gathered unit (a unit is resharded before it reduce-scatters)")
     else:  # FSDP_GRAD_OP
-        # parameters unsharded from forward to the end of backward (under params); backward
-        # gathers nothing. Gathering unit k in forward: the units before it unsharded, k's
-        # all-gather output beside its copy (FSDP2 all-gathers in place). Late in backward the
-        # unit reducing was resharded first, next to its 2 reduce-scatter buffers.
+        # backward gathers nothing; gathering unit k in forward, the units before it are
+        # unsharded and k's all-gather output lies beside its copy (FSDP2 gathers in place)
         unsharded = model.num_params * p_b
-        root, block = model.root_unit_params, model.largest_block_unit_params
-        if root is not None and block is not None:
-            gather_fw = max(2 * root - model.num_params, block, 0) * p_b
-        else:
-            gather_fw = unit * p_b
+        gather_fw = (max(2 * root - model.num_params, block, 0) if units_known else unit) * p_b
         comm_late = 2 * rs_unit * reduce_b
         unsharded_late = (model.num_params - rs_unit) * p_b
         notes.append(f"SHARD_GRAD_OP keeps unsharded parameters ({unsharded / MiB:.1f} MiB, under "
@@ -389,8 +375,7 @@ def estimate(model: ModelStats, activations: ActivationProfile, setup: TrainingS
         notes.append(f"reserve holds the previous step's gradient shards "
                      f"({grads / MiB:.1f} MiB): freed before forward, their blocks are smaller "
                      f"than the activations and stay reserved")
-    breakdown = dict(parts[phase])
-    breakdown["reserve"] = reserve
+    breakdown = {**parts[phase], "reserve": reserve}
     notes.append(f"peak in {phase}: " + ", ".join(
         f"{k} {v / MiB:.1f} MiB" for k, v in phases.items()))
     return MemoryEstimate(peak_bytes=peak, total_bytes=peak + reserve, breakdown=breakdown,

@@ -27,7 +27,7 @@ class ModelStats:
     ``root_unit_params`` is FSDP's root unit (what no block holds: embedding, output head, final
     norm), which FSDP2 does not reshard after forward, so it stays gathered through backward;
     ``largest_block_unit_params`` the largest unit other than the root. ``None``: unknown, the
-    largest unit stands for every gathered unit (the rule before these were known).
+    largest unit stands for every gathered unit.
     """
 
     num_params: int

@@ -24,10 +24,8 @@ from typing import Any
 
 from raytrain_guard.errors import PlanInputError, check_int
 
-#: Ray Train's default resources per worker (``ScalingConfig``): 1 CPU, and 1 GPU with
-#: ``use_gpu=True``
+#: Ray Train's default CPUs per worker (``ScalingConfig``); and 1 GPU with ``use_gpu=True``
 CPUS_PER_WORKER = 1.0
-GPUS_PER_WORKER = 1.0
 
 
 @dataclass(frozen=True)
@@ -62,8 +60,7 @@ class PlanMachine:
 
 
 def place_workers(nodes: Sequence[NodeResources], *, num_workers: int, use_gpu: bool,
-                  cpus_per_worker: float = CPUS_PER_WORKER,
-                  gpus_per_worker: float = GPUS_PER_WORKER) -> PlanMachine:
+                  cpus_per_worker: float = CPUS_PER_WORKER) -> PlanMachine:
     """Spread ``num_workers`` over ``nodes`` as Ray's PACK placement would and return the
     tightest node's machine (see the module docstring). Workers that fit nowhere are counted
     on the node with the most room, with a warning (Ray would wait for resources)."""
@@ -76,9 +73,7 @@ def place_workers(nodes: Sequence[NodeResources], *, num_workers: int, use_gpu: 
     def capacity(node: NodeResources) -> int:
         by_cpu = math.floor(node.num_cpus / cpus_per_worker) if cpus_per_worker > 0 else \
             num_workers
-        if not use_gpu:
-            return by_cpu
-        return min(by_cpu, math.floor(node.num_gpus / gpus_per_worker))
+        return min(by_cpu, math.floor(node.num_gpus)) if use_gpu else by_cpu
 
     order = sorted(nodes, key=lambda n: (-capacity(n), -n.memory_bytes, n.node_id))
     placed: dict[str, int] = {}

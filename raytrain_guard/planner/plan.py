@@ -89,9 +89,8 @@ class Plan:
     @property
     def fsdp_grad_sync(self) -> str | None:
         """The FSDP gradient sync planned (``setup.fsdp_grad_sync``); None when not FSDP."""
-        if self.setup.strategy not in FSDP_STRATEGIES:
-            return None
-        return self.setup.fsdp_grad_sync.value
+        fsdp = self.setup.strategy in FSDP_STRATEGIES
+        return self.setup.fsdp_grad_sync.value if fsdp else None
 
     # -- views --------------------------------------------------------------------------------
     @property

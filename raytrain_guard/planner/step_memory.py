@@ -95,25 +95,17 @@ def _forward_loss(model, batch, loss_fn, precision):
         return _default_loss(_call_model(model, batch))
 
 
-def train_step(model, opt, batch, loss_fn, precision, snapshots):
+def train_step(model, opt, batch, loss_fn, precision, snapshot=lambda phase: None):
+    """One training step; ``snapshot(phase)`` after forward, backward and the optimizer."""
     loss, desc = _forward_loss(model, batch, loss_fn, precision)
-    if snapshots is not None:
-        snapshots.append(("forward", snapshots.tracker.get_tracker_snapshot("peak")))
+    snapshot("forward")
     loss.backward()
     del loss
-    if snapshots is not None:
-        snapshots.append(("backward", snapshots.tracker.get_tracker_snapshot("peak")))
+    snapshot("backward")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if snapshots is not None:
-        snapshots.append(("optimizer", snapshots.tracker.get_tracker_snapshot("peak")))
+    snapshot("optimizer")
     return desc
-
-
-class _Snapshots(list):
-    def __init__(self, tracker) -> None:
-        super().__init__()
-        self.tracker = tracker
 
 
 def tracked_step(model, opt, batch, loss_fn, precision):
@@ -123,9 +115,10 @@ def tracked_step(model, opt, batch, loss_fn, precision):
     tracker = MemTracker()
     skip_frozen_grad_hooks(tracker, model)
     tracker.track_external(model, opt, batch)
-    snaps = _Snapshots(tracker)
+    snaps = []
     with tracker:
-        train_step(model, opt, batch, loss_fn, precision, snaps)
+        train_step(model, opt, batch, loss_fn, precision,
+                   lambda phase: snaps.append((phase, tracker.get_tracker_snapshot("peak"))))
     return [(phase, _categories(snap)) for phase, snap in snaps]
 
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain_guard import factories
 from raytrain_guard.errors import TraceError, check_int
+from raytrain_guard.factories import load_object
 from raytrain_guard.planner.fsdp_units import wrap_units
 from raytrain_guard.planner.memory_model import OptimizerKind, Precision, coerce_enum
 from raytrain_guard.planner.model_stats import ActivationProfile, ModelStats
@@ -32,9 +32,9 @@ from raytrain_guard.planner.step_memory import (
 )
 from raytrain_guard.planner.untraceable import (
     FactoryError,
-    LastOp,
     OpFailure,
     call_factory,
+    last_op_recorder,
     looks_like_fake_issue,
     quiet_fake_tensor_log,
     untraceable,
@@ -68,11 +68,6 @@ class TraceResult:
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
 
-def load_object(spec: str | Callable[..., Any], *, field_name: str) -> Callable[..., Any]:
-    """:func:`raytrain_guard.factories.load_object`, raising :class:`TraceError`."""
-    return factories.load_object(spec, field_name=field_name, error=TraceError)
-
-
 def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Callable[..., Any],
                 *, loss: str | Callable[[Any, Any], Any] | None = None,
                 precision: Precision | str = Precision.FP32,
@@ -99,9 +94,9 @@ def trace_model(model_factory: str | Callable[[], Any], sample_factory: str | Ca
                              value=micro_batches, fix=fix)
         for i, b in enumerate(micro_batches):
             check_int(f"micro_batches[{i}]", b, at_least=1, error=TraceError, fix=fix)
-    build_model = load_object(model_factory, field_name="model")
-    build_sample = load_object(sample_factory, field_name="sample")
-    loss_fn = load_object(loss, field_name="loss") if loss is not None else None
+    build_model = load_object(model_factory, field_name="model", error=TraceError)
+    build_sample = load_object(sample_factory, field_name="sample", error=TraceError)
+    loss_fn = None if loss is None else load_object(loss, field_name="loss", error=TraceError)
     errors: list[str] = []
     failures: list[OpFailure] = []
     names = {"model": _name(model_factory), "sample": _name(sample_factory)}
@@ -132,11 +127,8 @@ def _trace_in_mode(mode, build_model, build_sample, loss_fn, precision, optimize
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    recorder = LastOp()
-    if mode == "fake":
-        ctx = FakeTensorMode(allow_non_fake_inputs=True)
-    else:
-        ctx = torch.device("meta")
+    recorder = last_op_recorder()
+    ctx = FakeTensorMode(allow_non_fake_inputs=True) if mode == "fake" else torch.device("meta")
     try:
         with ctx:
             low = precision in (Precision.BF16, Precision.BF16_MASTER)
@@ -170,7 +162,7 @@ def _trace_in_mode(mode, build_model, build_sample, loss_fn, precision, optimize
                     batch = _batch_at(sample, b0, b, build_sample, takes_batch_size, mode,
                                       precision)
                     if i == 0:  # warm-up: creates optimizer state
-                        desc = train_step(model, opt, batch, loss_fn, precision, None)
+                        desc = train_step(model, opt, batch, loss_fn, precision)
                     runs.append((b, tracked_step(model, opt, batch, loss_fn, precision)))
     except TraceError:
         raise
@@ -249,11 +241,11 @@ def model_stats_of(model) -> ModelStats:
 
 
 def _result(runs, stats, loss_desc, mode, precision, optimizer, errors, elapsed) -> TraceResult:
-    fits = []
-    for b, snaps in runs:
-        upto_bw = max((s for ph, s in snaps if ph != "optimizer"), key=lambda s: s["total"])
-        static = upto_bw["params"] + upto_bw["buffers"] + upto_bw["optimizer"]
-        fits.append((b, upto_bw["total"] - static))
+    # each run's peak up to the end of backward, less the static bytes: its activations
+    upto_bw = [max((s for ph, s in snaps if ph != "optimizer"), key=lambda s: s["total"])
+               for _, snaps in runs]
+    fits = [(b, peak["total"] - peak["params"] - peak["buffers"] - peak["optimizer"])
+            for (b, _), peak in zip(runs, upto_bw)]
     (b1, a1), (b2, a2) = fits[0], fits[1]
     per_sample = (a2 - a1) / (b2 - b1) if b2 != b1 else a1 / b1
     fixed = max(0, int(round(a1 - per_sample * b1)))
@@ -271,11 +263,9 @@ def _result(runs, stats, loss_desc, mode, precision, optimizer, errors, elapsed)
     if per_sample <= 0:
         warnings.append("activations did not grow with the micro-batch: check that the sample "
                         "factory's batch dimension is dim 0")
-    grads_at_peak = max((s for ph, s in runs[0][1] if ph != "optimizer"),
-                        key=lambda s: s["total"])["grads"]
     profile = ActivationProfile(bytes_per_sample=max(per_sample, 0.0), fixed_bytes=fixed,
                                 source="traced", notes=tuple(notes), includes_gradients=True,
-                                gradient_bytes=min(int(grads_at_peak), fixed))
+                                gradient_bytes=min(int(upto_bw[0]["grads"]), fixed))
     for w in warnings:
         log.warning("trace: %s", w)
     return TraceResult(model_stats=stats, activations=profile, micro_batch=b,

@@ -82,19 +82,15 @@ def untraceable(failures: list[OpFailure], errors: list[str],
                           "and --sample together), or plan with --params / --layers instead")
 
 
-class _DropFakeTensorErrors(logging.Filter):
-    """Drops FakeTensorMode's ``log.exception`` of a failing op: the trace re-raises it as one
-    TraceError line, so the logged traceback is only noise."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and record.exc_info)
-
-
 @contextlib.contextmanager
 def quiet_fake_tensor_log():
-    """For one trace attempt only: filter the fake tensor logger's error tracebacks."""
+    """For one trace attempt only, drop FakeTensorMode's ``log.exception`` of a failing op: the
+    trace re-raises it as one TraceError line, so the logged traceback is only noise."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
-    drop = _DropFakeTensorErrors()
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info)
+
     logger.addFilter(drop)
     try:
         yield
@@ -122,29 +118,21 @@ def looks_like_fake_issue(exc: BaseException) -> bool:
     return any(w in text for w in ("Fake", "fake", "DataDependent", "meta", "mode"))
 
 
-class LastOp:
-    """A dispatch mode that remembers the last aten op, to name it when one fails."""
+def last_op_recorder():
+    """A dispatch mode that remembers the last aten op (``last``), to name it when one fails;
+    ``entered``: whether the model's step got as far as entering it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self) -> None:
-        self.last: str | None = None
-        self.entered = False
-        self._mode = None
+    class LastOp(TorchDispatchMode):
+        last: str | None = None
+        entered = False
 
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
+        def __enter__(self):
+            self.entered = True
+            return super().__enter__()
 
-        outer = self
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.last = str(func)
+            return func(*args, **(kwargs or {}))
 
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                outer.last = str(func)
-                return func(*args, **(kwargs or {}))
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        self.entered = True
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-        return False
+    return LastOp()

@@ -1,2 +1,1 @@
-"""The run's coordinator: reports in, policy rounds, decisions out, their effects measured.
-"""
+"""The run's coordinator: reports in, policy rounds, decisions out, their effects measured."""

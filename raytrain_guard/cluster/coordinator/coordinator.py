@@ -1,11 +1,7 @@
 """Coordinator: one per run; takes the ranks' step reports and the monitors' node samples,
-runs the policy rounds that decide cluster actions, and hands the decisions out.
-
-A plain class that ``cluster.actors.start_coordinator`` makes the actor
-``raytrain_guard:coordinator:<run id>``. It persists nothing: a restarted coordinator rebuilds
-itself from the next reports. Its methods, attempts, ignored reports and effect measurement:
-docs/cluster.md ("The coordinator"). Its parts: :mod:`.reports`, :mod:`.effects`,
-:mod:`.hangs`, :mod:`.status`.
+runs the policy rounds that decide cluster actions, and hands the decisions out. A plain class
+(``cluster.actors`` makes it an actor) that persists nothing: a restarted coordinator rebuilds
+itself from the next reports. Details: docs/cluster.md ("The coordinator").
 """
 
 from __future__ import annotations
@@ -38,14 +34,12 @@ from raytrain_guard.log import warn_once
 
 logger = logging.getLogger(__name__)
 
-MAX_DECISIONS_KEPT = 1000
-"""Decisions kept for ``decisions_since``; older ones are dropped (ranks poll every N steps)."""
+MAX_DECISIONS_KEPT = 1000      # for decisions_since; ranks poll every few steps
 
 
 class FailOpenMetrics:
-    """The coordinator's metrics (``cluster.metrics.CoordinatorMetrics`` in the actor, or None):
-    ``record(name, *args)`` calls their ``name`` method when they have one; a failing call is
-    warned about once and training goes on."""
+    """The coordinator's metrics (``CoordinatorMetrics`` in the actor, or None): ``record(name,
+    *args)`` calls their ``name`` method when they have one; a failing call is warned once."""
 
     def __init__(self, metrics: Any, warn: Callable[[str, str], None]) -> None:
         self.metrics, self._warn = metrics, warn
@@ -61,15 +55,10 @@ class FailOpenMetrics:
 
 
 class Coordinator:
-    """The run's coordinator. Actor methods: :meth:`next_attempt`, :meth:`report_steps`,
-    :meth:`report_node`, :meth:`report_hang`, :meth:`decide`, :meth:`request_stop`,
-    :meth:`decisions_since`, :meth:`set_plan`, :meth:`status`. None of them
-    raises on a bad report: it is counted in ``ignored``.
-
-    ``apply_step_rule(latest_step, config)``: the step decisions apply at. ``clock`` paces
-    rounds and ages node samples; ``wall_clock`` seeds decision ids, which grow across
-    restarts (and jump past the newest id a rank reports knowing). ``plan``: :meth:`set_plan`.
-    """
+    """The run's coordinator. No actor method raises on a bad report: it is counted in
+    ``ignored``. ``apply_step_rule(latest_step, config)``: the step decisions apply at.
+    ``clock`` paces rounds and ages node samples; ``wall_clock`` seeds decision ids, which grow
+    across restarts (and jump past the newest id a rank reports knowing)."""
 
     def __init__(self, run_id: str, config: GuardConfig | None = None, *,
                  attempt: int = 0, metrics: Any = None,
@@ -108,14 +97,13 @@ class Coordinator:
 
     # -- attempts ----------------------------------------------------------------------------
     def next_attempt(self) -> int:
-        """A new attempt number for a starting worker group (its rank 0 asks), one larger than
-        any issued or seen; reports of other attempts are stale from now on."""
+        """A new attempt number for a starting worker group (its rank 0 asks); reports of other
+        attempts are stale from now on."""
         self._issued_attempt = True
         self._new_attempt(self.attempt + 1)
         return self.attempt
 
     def _new_attempt(self, attempt: int) -> None:
-        """Rank windows and policy state cleared; node samples and missed actions kept."""
         logger.info("[run %s] attempt %d starts (was %d): rank state cleared", self.run_id,
                     attempt, self.attempt)
         self.attempt = attempt
@@ -131,9 +119,8 @@ class Coordinator:
                      decision_cursor: int | None = None,
                      applied: Sequence[Sequence[int]] | None = None) -> None:
         """One rank's batch of step rows (``coordination.client.STEP_FIELDS`` order, or
-        StepStats dicts), with its ``setup`` as it runs now, the newest decision id it knows
-        (``decision_cursor``) and the ``(step, decision id)`` pairs its lockstep applied
-        since its last report. May run a policy round."""
+        StepStats dicts), its ``setup`` now, the newest decision id it knows and the ``(step,
+        decision id)`` pairs its lockstep applied. May run a policy round."""
         try:
             if decision_cursor is not None:
                 self._next_id = max(self._next_id, check_int("decision_cursor", decision_cursor))
@@ -180,8 +167,8 @@ class Coordinator:
 
     def report_hang(self, world_rank: int, node_id: str, attempt: int,
                     record: Mapping[str, Any]) -> dict | None:
-        """A rank's hang watchdog record, sent before its process ends; the verdict on its
-        attempt so far, with ``attempt`` (None for a malformed record)."""
+        """A rank's hang watchdog record; the verdict on its attempt so far (None for a
+        malformed record)."""
         try:
             att, rec = read_hang_report(world_rank, node_id, attempt, record)
         except Exception as exc:  # noqa: BLE001 - whatever arrives, count it and go on
@@ -194,7 +181,7 @@ class Coordinator:
 
     # -- the policy round and its decisions --------------------------------------------------
     def decide(self, next_apply_step: int | None = None) -> list[dict]:
-        """Run one policy round now (otherwise rounds run on reports, at most every
+        """Run one policy round now (otherwise reports run one at most every
         ``decision_interval_s``); returns the new decisions as dicts."""
         view = self._view()
         latest = view.latest_step
@@ -221,14 +208,13 @@ class Coordinator:
         return [d.to_dict() for d in new]
 
     def request_stop(self, reason: str) -> dict:
-        """A ``checkpoint_and_stop`` for every rank (scope ``cluster``), delivered like any
-        other decision and applied at the next agreement step (the drop-in driver's call)."""
+        """A ``checkpoint_and_stop`` for every rank, delivered like any other decision (the
+        drop-in driver's call)."""
         return self._issue(Decision(Action.CHECKPOINT_AND_STOP, f"stop requested: {reason}",
                                     cause=Cause.UNKNOWN, scope="cluster")).to_dict()
 
     def _issue(self, d: Decision, view: ClusterView | None = None) -> Decision:
-        """``d`` with the next decision id, kept for ``decisions_since``, its effect tracked
-        (a policy decision), logged and counted."""
+        """``d`` with the next decision id, kept, its effect tracked (with a ``view``), logged."""
         self._next_id += 1
         d = dataclasses.replace(d, params=dict(d.params), decision_id=self._next_id)
         self._decisions.append(d)
@@ -241,17 +227,14 @@ class Coordinator:
         return d
 
     def decisions_since(self, decision_id: int) -> list[dict]:
-        """Decisions of the current attempt with an id greater than ``decision_id``, oldest
-        first. One decided for an earlier attempt (a stop that attempt already acted on) is
-        not handed to a restarted group: it would act again on a state that no longer is."""
+        """Decisions of the current attempt newer than ``decision_id``, oldest first (an
+        earlier attempt's would act again on a state that no longer is)."""
         first = max(decision_id, self._first_id_of_attempt)
         return [d.to_dict() for d in self._decisions if d.decision_id > first]
 
     def set_plan(self, plan: RunPlan | Mapping[str, Any] | None) -> bool:
-        """The run's plan (``RunPlan.to_dict()``: model, activation profile, training setup,
-        device memory, gradient-sync mode): the memory model the policy prices its memory
-        actions with. Returns whether it was taken; a malformed plan is logged once and the
-        policy goes on unpriced, as with none."""
+        """The run's plan (``RunPlan.to_dict()``), which the policy prices its memory actions
+        with. Returns whether it was taken; a malformed plan leaves them unpriced."""
         try:
             self._plan = plan if plan is None or isinstance(plan, RunPlan) else \
                 RunPlan.from_dict(plan)

@@ -1,12 +1,9 @@
 """Whether a decision did what it was priced to do (docs/cluster.md, "The coordinator").
 
-A release, shrink, prefetch change or pacing decision is measured once every rank has reported
-``decision_cooldown_steps`` steps after the step the ranks applied it at: medians over those
-steps against the same number of steps before it was decided, judged against its prediction
-(:func:`~raytrain_guard.core.effects.judge`). A miss (memory fell by less than
-``effect_min_share`` of the prediction) goes into the policy's ``missed`` set, so it is not
-repeated for that cause and the policy escalates; a cache release that hit re-arms releases; a
-decision without a prediction is measured but not judged, and changes nothing in the policy."""
+A measured action is measured once every rank has reported ``decision_cooldown_steps`` steps
+after its apply step, against as many steps before it was decided, and judged against its
+prediction (:func:`~raytrain_guard.core.effects.judge`). A miss goes into the policy's
+``missed`` set (not repeated for that cause); a cache release that hit re-arms releases."""
 
 from __future__ import annotations
 
@@ -27,21 +24,18 @@ logger = logging.getLogger(__name__)
 
 MEASURED_ACTIONS = (Action.RELEASE_CACHE, Action.SHRINK_MICRO_BATCH, Action.SET_PREFETCH,
                     Action.PACE)
-"""Actions whose effect is measured after their apply step (events and stops are not)."""
 
 
+@dataclasses.dataclass(slots=True)
 class PendingEffect:
-    """A decision waiting for its effect: the steps before it, per rank, the node's host
-    memory fraction when it was decided (host actions), and the step the ranks applied it at
-    (None until a rank reports it)."""
+    """A decision waiting for its effect: the steps before it per rank, the node's host memory
+    fraction when decided (host actions), and the step the ranks applied it at (once known)."""
 
-    __slots__ = ("applied_at", "before", "decision", "host_before", "node_id")
-
-    def __init__(self, decision: Decision, before: dict[int, StepColumns],
-                 host_before: float | None, node_id: str | None) -> None:
-        self.decision, self.before = decision, before
-        self.host_before, self.node_id = host_before, node_id
-        self.applied_at: int | None = None
+    decision: Decision
+    before: dict[int, StepColumns]
+    host_before: float | None
+    node_id: str | None
+    applied_at: int | None = None
 
 
 class EffectMeter:
@@ -57,7 +51,7 @@ class EffectMeter:
         self.pending.clear()
 
     def track(self, d: Decision, ranks: Mapping[int, RankWindow], view: ClusterView) -> None:
-        """A new decision: keep the steps before it, if its action is measured."""
+        """A new decision: keep the steps before it, when its action is measured."""
         if d.action not in MEASURED_ACTIONS or d.step is None:
             return
         n = self.config.decision_cooldown_steps
@@ -69,11 +63,9 @@ class EffectMeter:
 
     def applied(self, pairs: Sequence[Sequence[int]], state: PolicyState
                 ) -> tuple[PolicyState, list[Any]]:
-        """A rank reports the ``(step, decision id)`` pairs its lockstep applied: each
-        decision's effect is measured from the first such step, and the policy's cooldown for
-        its action counts from there too. Returns ``state`` so changed, and the pairs that are
-        unreadable. The lockstep applies at the step asked for, or at the first agreement after
-        a rank fetched it when that step had passed."""
+        """A rank's ``(step, decision id)`` pairs applied: each decision's effect, and the
+        policy's cooldown for its action, count from the first such step. Returns ``state`` so
+        changed, and the unreadable pairs."""
         bad = []
         for pair in pairs:
             try:
@@ -90,9 +82,8 @@ class EffectMeter:
     def measure_due(self, ranks: Mapping[int, RankWindow], nodes: NodeSamples,
                     state: PolicyState) -> tuple[PolicyState, list[Decision]]:
         """Measure every pending action whose window after its apply step every rank has
-        reported. Returns the policy state (a miss added to ``missed``, a release that hit
-        re-arms releases, a decision not judged changes nothing) and the measured decisions,
-        each with ``measured`` set (its ``verdict``: hit, miss or not_judged)."""
+        reported. Returns the policy state and the measured decisions, each with ``measured``
+        set (its ``verdict``: hit, miss or not_judged)."""
         if not self.pending or not ranks:
             return state, []
         reported = min(e.last_step for e in ranks.values())
@@ -134,8 +125,7 @@ class EffectMeter:
 
 
 def _cooldown_from(state: PolicyState, d: Decision, step: int) -> PolicyState:
-    """``state`` with the cooldown of ``d``'s action counted from ``step``, where the ranks
-    applied it, when that is later than the step the policy asked for."""
+    """``state`` with the cooldown of ``d``'s action counted from ``step`` when later."""
     def later(last: int | None) -> int:
         return step if last is None else max(last, step)
 

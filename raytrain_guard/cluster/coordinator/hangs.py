@@ -1,7 +1,6 @@
-"""The coordinator's hang verdicts: the records the ranks' watchdogs send before their process
-ends, kept per attempt, and the hung rank named from them
-(:func:`raytrain_guard.core.hang.name_hung_rank`, with the ranks that reported steps in that
-attempt). A settled verdict is logged once and handed to ``on_settled`` (the metrics)."""
+"""The coordinator's hang verdicts: the ranks' watchdog records per attempt, and the hung rank
+named from them (:func:`raytrain_guard.core.hang.name_hung_rank`). A settled verdict is logged
+once and handed to ``on_settled`` (the metrics)."""
 
 from __future__ import annotations
 
@@ -16,13 +15,12 @@ from raytrain_guard.errors import check_int
 
 logger = logging.getLogger(__name__)
 
-HANG_ATTEMPTS_KEPT = 16
-"""Attempts whose hang records are kept for ``status()`` (a run restarts a handful of times)."""
+HANG_ATTEMPTS_KEPT = 16     # a run restarts a handful of times
 
 
 def read_hang_report(world_rank: Any, node_id: Any, attempt: Any,
                      record: Mapping[str, Any]) -> tuple[int, HangRecord]:
-    """(attempt, record) of a watchdog's report; ValueError (or InputError) when unreadable."""
+    """(attempt, record) of a watchdog's report; ValueError when unreadable."""
     rank = check_int("world_rank", world_rank)
     att = read_attempt(attempt)
     rec = HangRecord.from_dict({**dict(record), "world_rank": rank,
@@ -30,18 +28,16 @@ def read_hang_report(world_rank: Any, node_id: Any, attempt: Any,
     return att, rec
 
 
+@dataclasses.dataclass(slots=True)
 class AttemptHangs:
-    """One attempt's hang records: per rank the latest, when the first arrived, and the ranks
-    (and their nodes) that reported steps in that attempt."""
+    """One attempt's hang records (the latest per rank), when the first arrived, and the ranks
+    (and their nodes) that reported steps in it."""
 
-    __slots__ = ("announced", "expected", "first_at", "nodes", "records")
-
-    def __init__(self, first_at: float) -> None:
-        self.first_at = first_at
-        self.records: dict[int, HangRecord] = {}
-        self.expected: set[int] = set()
-        self.nodes: dict[int, str] = {}
-        self.announced = False
+    first_at: float
+    records: dict[int, HangRecord] = dataclasses.field(default_factory=dict)
+    expected: set[int] = dataclasses.field(default_factory=set)
+    nodes: dict[int, str] = dataclasses.field(default_factory=dict)
+    announced: bool = False
 
 
 class HangVerdicts:
@@ -57,8 +53,7 @@ class HangVerdicts:
     def add(self, attempt: int, rec: HangRecord,
             ranks_of_attempt: Mapping[int, str] | None) -> HungRank | None:
         """Keep a rank's record; returns the verdict on its attempt so far.
-        ``ranks_of_attempt``: rank -> node of the ranks that reported steps, when ``attempt``
-        is the current one (None otherwise: the coordinator no longer knows them)."""
+        ``ranks_of_attempt``: rank -> node of the ranks that reported steps (None: not known)."""
         entry = self._attempts.get(attempt)
         if entry is None:
             entry = self._attempts[attempt] = AttemptHangs(self._clock())

@@ -1,7 +1,6 @@
-"""What the coordinator takes in: each rank's batches of step rows, checked and kept as a
-window of columns per rank, and the node monitors' samples, the newest per node. A report that
-is unreadable, repeated or late is refused with one of :data:`IGNORE_REASONS` (the coordinator
-counts it), never raised past the coordinator."""
+"""What the coordinator takes in: each rank's batches of step rows, kept as a window of columns
+per rank, and the newest node sample per node. A report that is unreadable, repeated or late is
+refused with one of :data:`IGNORE_REASONS`, never raised past the coordinator."""
 
 from __future__ import annotations
 
@@ -12,15 +11,14 @@ from dataclasses import dataclass
 from operator import add, lt
 from typing import Any
 
-from raytrain_guard.coordination.client import STEP_FIELDS
+from raytrain_guard.coordination.client import STEP_FIELDS, step_row
 from raytrain_guard.core.columns import EMPTY, StepColumns, floats
 from raytrain_guard.core.node_samples import NodeSample, RunSetup
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.view import RankView
 from raytrain_guard.errors import check_int
 
-RECENT_BATCHES_KEPT = 8
-"""Per rank, the (first, last) steps of recent batches, to tell a duplicate from a late batch."""
+RECENT_BATCHES_KEPT = 8     # per rank, to tell a duplicate batch from a late one
 
 IGNORE_REASONS = ("stale", "duplicate", "out_of_order", "malformed")
 
@@ -40,9 +38,8 @@ class StepReport:
 
 def read_step_report(world_rank: Any, node_id: Any, attempt: Any, stats: Sequence[Any],
                      setup: Mapping[str, Any] | None) -> StepReport:
-    """The report checked; ValueError (or InputError) naming what is unreadable. ``stats``:
-    rows in :data:`~raytrain_guard.coordination.client.STEP_FIELDS` order (what the client
-    sends) or ``StepStats.to_dict()`` dicts."""
+    """The report checked; ValueError naming what is unreadable. ``stats``: rows in
+    ``STEP_FIELDS`` order (what the client sends) or ``StepStats.to_dict()`` dicts."""
     rank = check_int("world_rank", world_rank)
     node, att = str(node_id), read_attempt(attempt)
     if not node:
@@ -68,8 +65,7 @@ def read_step_report(world_rank: Any, node_id: Any, attempt: Any, stats: Sequenc
 
 
 def read_attempt(attempt: Any) -> int:
-    """An attempt number: any integer, since one below the current attempt is stale (counted
-    as such), not malformed."""
+    """An attempt number: any integer (one below the current attempt is stale, not malformed)."""
     return check_int("attempt", attempt, at_least=-(2 ** 63))
 
 
@@ -99,16 +95,15 @@ def _row(row: Any) -> tuple:
         if len(row) != len(STEP_FIELDS):
             raise ValueError(f"a step row has {len(STEP_FIELDS)} fields, got {len(row)}")
         return tuple(row)
-    s = StepStats.from_dict(row)
-    return tuple(getattr(s, f) for f in STEP_FIELDS)
+    return step_row(StepStats.from_dict(row))
 
 
 FIGURES = ("total_s", "data_wait_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
 
 
 def _check_figures(columns: Mapping[str, Sequence[Any]]) -> None:
-    """ValueError unless every value is a finite number >= 0 (a bool is not). Plain floats
-    and ints are checked in C at once; anything else value by value."""
+    """ValueError unless every value is a finite number >= 0 (a bool is not); plain floats and
+    ints are checked at once."""
     values = [v for column in columns.values() for v in column]
     if set(map(type, values)) <= {float, int} and min(values, default=0) >= 0 \
             and math.isfinite(sum(values)):
@@ -121,9 +116,8 @@ def _check_figures(columns: Mapping[str, Sequence[Any]]) -> None:
 
 
 class RankWindow:
-    """One rank's recent steps (the last ``window_len``, as columns), the batches they came
-    in, and its :class:`~raytrain_guard.core.view.RankView`, rebuilt per report so that a
-    policy round and the summaries cost O(ranks)."""
+    """One rank's last ``window_len`` steps (as columns), the batches they came in, and its
+    ``RankView``, rebuilt per report so that a policy round costs O(ranks)."""
 
     __slots__ = ("batches", "columns", "last_step", "node_id", "num_steps", "setup", "view",
                  "window_len", "world_rank")
@@ -140,8 +134,7 @@ class RankWindow:
         self.view: RankView | None = None
 
     def add(self, report: StepReport) -> Refusal | None:
-        """Take the report's steps, or say why not: a batch already received, or steps at or
-        before ones already received."""
+        """Take the report's steps, or say why not (a duplicate, or steps out of order)."""
         c = report.columns
         first, last = c.steps[0], c.steps[-1]
         if (first, last) in self.batches:
@@ -163,14 +156,14 @@ class RankWindow:
 
 class NodeSamples:
     """The newest sample of each node with when it arrived (``latest``); a monitor's samples
-    carry its epoch (a restarted monitor starts a new one) and a sequence number."""
+    carry its epoch (new after a restart) and a sequence number."""
 
     def __init__(self) -> None:
         self.latest: dict[str, tuple[NodeSample, float]] = {}   # node -> (sample, received at)
         self._seq: dict[str, tuple[str, int]] = {}              # node -> (epoch, last seq)
 
     def add(self, sample: NodeSample, now: float) -> Refusal | None:
-        """Keep ``sample``, or say why not: one already received, or older than the last."""
+        """Keep ``sample``, or say why not (a duplicate, or older than the last)."""
         last = self._seq.get(sample.node_id)
         if last is not None and last[0] == sample.monitor_epoch:
             if sample.seq == last[1]:

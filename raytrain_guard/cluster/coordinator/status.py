@@ -1,6 +1,5 @@
 """The parts of the coordinator's ``status()`` (what ``raytrain-guard status`` prints and the run
-summary reads): each node's latest sample, each rank's step figures and straggler score, the
-decisions still in force, and step-time quantiles."""
+summary reads)."""
 
 from __future__ import annotations
 
@@ -13,15 +12,13 @@ from raytrain_guard.core.stats import nearest_rank
 from raytrain_guard.core.straggler import StragglerScore
 from raytrain_guard.core.view import PolicyState
 
-ACTIVE_DECISIONS_SHOWN = 20
-"""The newest decisions (and measured effects) ``status()`` lists."""
+ACTIVE_DECISIONS_SHOWN = 20     # the newest decisions (and measured effects) listed
 
 
 def figures(ranks: Mapping[int, RankWindow], nodes: Mapping[str, tuple[NodeSample, float]],
             scores: Mapping[int, StragglerScore], state: PolicyState,
             decisions: Sequence[Decision]) -> dict:
-    """The status of the ranks, the nodes (their latest samples), the stragglers and the
-    decisions."""
+    """The status of the ranks, the nodes, the stragglers and the decisions."""
     latest = max((e.last_step for e in ranks.values()), default=None)
     p50, p99 = step_quantiles(ranks)
     flagged = state.flagged_nodes
@@ -77,14 +74,13 @@ def step_quantiles(ranks: Mapping[int, RankWindow]) -> tuple[float | None, float
 
 
 def round_step_quantiles(ranks: Mapping[int, RankWindow]) -> tuple[float | None, float | None]:
-    """For the per-round gauges, from the per-report summaries (O(ranks), not O(steps)):
-    p50 is the median of the ranks' median step, p99 the 99th percentile of their p99s.
-    :func:`step_quantiles` gives the exact quantiles over every step in the windows."""
+    """For the per-round gauges, in O(ranks): the median of the ranks' median step and the
+    99th percentile of their p99s (:func:`step_quantiles`: exact, over every step)."""
     views = [e.view.timing for e in ranks.values() if e.view is not None]
     return (quantile([t.total_s for t in views], 0.5),
             quantile([t.total_p99_s for t in views], 0.99))
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank quantile (:func:`~raytrain_guard.core.stats.nearest_rank`), None when empty."""
+    """Nearest-rank quantile, None when empty."""
     return nearest_rank(sorted(values), q) if values else None

@@ -1,2 +1,1 @@
-"""The node monitor: one per Ray node, sampling GPUs (NVML) and the host (psutil).
-"""
+"""The node monitor: one per Ray node, sampling GPUs (NVML) and the host (psutil)."""

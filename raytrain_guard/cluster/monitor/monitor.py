@@ -1,17 +1,8 @@
-"""NodeMonitor: samples one node's GPUs and host at a fixed interval (a plain class).
+"""NodeMonitor: samples one node's GPUs and host at a fixed interval (a plain class that
+``cluster.actors.start_monitors`` makes one actor of per alive node and run).
 
-``raytrain_guard.cluster.actors.start_monitors`` makes one Ray actor of it per alive node and
-run (named ``raytrain_guard:monitor:<run id>:<node id>``); tests call its methods directly.
-
-Actor methods: ``register_worker(pid, world_rank=None)`` (a train worker on this node asks to
-have its private memory, and its DataLoader workers', sampled); ``sample() -> dict`` (one
-sample now, ``NodeSample.to_dict()``, recorded as Ray metrics and sent to the sink, the run's
-coordinator); ``start() -> bool`` / ``stop()`` (the sampling thread, every
-``config.monitor_interval_s``; ``start`` is idempotent).
-
-Fail-open: a GPU probe that cannot start or fails while sampling puts the monitor in host-only
-mode with one warning; a failing host probe, metrics or sink is warned about once and skipped.
-Nothing here raises into the caller's training.
+Fail-open: a GPU probe that cannot start or fails puts the monitor in host-only mode with one
+warning; a failing host probe, metrics or sink is warned about once and skipped.
 """
 
 from __future__ import annotations
@@ -20,7 +11,8 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.node_samples import NodeSample
@@ -34,10 +26,9 @@ Sink = Callable[[dict], None]
 class NodeMonitor:
     """Samples this node's GPUs (NVML) and host (psutil), or scripted probes in their place.
 
-    ``gpu_probe`` / ``host_probe``: probe objects (see ``node_probes``); None builds the real
-    ones, and a GPU probe that cannot be built means host-only mode. ``sink`` receives every
-    sample as a dict (the actor layer sends it to the coordinator, fire-and-forget).
-    ``metrics``: an object with ``record(NodeSample) -> int`` (``NodeMetrics`` in an actor).
+    ``gpu_probe`` / ``host_probe``: None builds the real ones (:mod:`.probes`). ``sink``
+    receives every sample as a dict (the actor sends it to the coordinator). ``metrics``: an
+    object with ``record(NodeSample)`` (``NodeMetrics`` in an actor).
     """
 
     def __init__(self, node_id: str, config: GuardConfig | None = None, *,
@@ -66,7 +57,7 @@ class NodeMonitor:
         self._host_probe = host_probe
         if host_probe is None:
             try:
-                self._host_probe = node_probes.default_host_probe()
+                self._host_probe = node_probes.PsutilHostProbe()
             except Exception as exc:
                 self._warn_once("host", "host probe unavailable (%s); no host figures", exc)
         self._stop = threading.Event()
@@ -82,7 +73,7 @@ class NodeMonitor:
 
     # -- sampling ----------------------------------------------------------------------------
     def sample(self) -> dict:
-        """Take one sample now; record metrics and send it to the sink. Never raises."""
+        """Take one sample now (``NodeSample.to_dict()``), record it and send it to the sink."""
         with self._lock:
             workers = dict(self._workers)
             self._seq += 1

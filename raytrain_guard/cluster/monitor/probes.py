@@ -2,9 +2,9 @@
 
 A host probe has ``sample(workers) -> HostSample`` (``workers``: registered train-worker pid ->
 world rank); a GPU probe ``sample() -> tuple[GpuSample, ...]`` or ``sample(workers)``, to mark
-the GPUs that hold them (``process_pids``: how the policy tells the run's GPUs from another
-job's). A probe that cannot read raises; the monitor goes host-only, never crashes. Scripted
-probes rehearse a hot, throttled or foreign GPU, host pressure or an NVML failure::
+the GPUs that hold them (``process_pids``). A probe that cannot read raises (the monitor goes
+host-only). Scripted probes rehearse a hot, throttled or foreign GPU, host pressure or an NVML
+failure::
 
     gpu = ScriptedGpuProbe([[GpuSample(0, 70 * GiB, 80 * GiB)],
                             [GpuSample(0, 76 * GiB, 80 * GiB, throttle_reasons=("thermal",))]])
@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from raytrain_guard.config import DISABLE_NVML_ENV, nvml_disabled
 from raytrain_guard.core.node_samples import GpuSample, HostSample, WorkerMemory
@@ -27,15 +28,15 @@ logger = logging.getLogger(__name__)
 
 
 class ProbeError(GuardError):
-    """A probe cannot read its source (NVML missing, driver error, process gone)."""
+    """A probe cannot read its source."""
 
 
 # -- NVML --------------------------------------------------------------------------------------
 
 class NvmlGpuProbe:
     """Every GPU of this node through NVML: memory, utilization, temperature, power, throttling
-    and the compute processes' pids (None where unsupported). The constructor raises
-    :class:`ProbeError` without NVML or a device (the monitor then goes host-only)."""
+    and the compute processes' pids (None where unsupported); :class:`ProbeError` without NVML
+    or a device."""
 
     def __init__(self) -> None:
         try:
@@ -73,8 +74,7 @@ class NvmlGpuProbe:
         return tuple(out)
 
     def _pids(self, handle: Any) -> tuple[int, ...]:
-        """The compute processes on one GPU, as the driver sees them (another pid namespace:
-        no match, and the policy counts every GPU)."""
+        """The compute processes on one GPU, as the driver sees them (in its pid namespace)."""
         return tuple(int(p.pid) for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle))
 
 
@@ -88,9 +88,8 @@ def _optional(read: Callable[[], Any]) -> Any:
 # -- psutil ------------------------------------------------------------------------------------
 
 class PsutilHostProbe:
-    """Host memory (the container's cgroup limit when lower: a Kubernetes pod's), swap, CPU,
-    and each registered worker's private memory (USS) and its DataLoader workers' (its child
-    processes, found at every sample: they come and go with epochs)."""
+    """Host memory (the container's cgroup limit when lower), swap, CPU, and each registered
+    worker's private memory (USS) and its DataLoader workers' (its child processes)."""
 
     def __init__(self) -> None:
         import psutil
@@ -122,9 +121,8 @@ class PsutilHostProbe:
 
 class ScriptedGpuProbe:
     """Plays back GPU readings, one entry per sample, the last repeating; an exception entry
-    is raised (an NVML failure). ``worker_gpus``: the GPUs that hold the registered workers,
-    whose pids they add to ``process_pids`` (another job's GPU beside the run's); None: the
-    pids as scripted."""
+    is raised. ``worker_gpus``: the GPUs that hold the registered workers, whose pids they add
+    to ``process_pids`` (None: the pids as scripted)."""
 
     def __init__(self, script: Sequence[Iterable[GpuSample] | BaseException], *,
                  worker_gpus: Iterable[int] | None = None) -> None:
@@ -149,8 +147,8 @@ class ScriptedGpuProbe:
 
 
 class ScriptedHostProbe:
-    """Plays back host readings (the last repeats); fills in the registered workers' pids
-    with ``worker_private_bytes`` each, so registration can be rehearsed without processes."""
+    """Plays back host readings (the last repeats), with the registered workers' pids at
+    ``worker_private_bytes`` each."""
 
     def __init__(self, script: Sequence[HostSample | BaseException], *,
                  worker_private_bytes: int = 0) -> None:
@@ -170,8 +168,7 @@ class ScriptedHostProbe:
             return entry
         fake = tuple(WorkerMemory(pid, rank, self._worker_bytes)
                      for pid, rank in sorted(workers.items()))
-        return HostSample(entry.memory_total_bytes, entry.memory_available_bytes,
-                          entry.swap_used_bytes, entry.swap_total_bytes, entry.cpu_frac, fake)
+        return dataclasses.replace(entry, workers=fake)
 
 
 class ScriptedProbeFactory:
@@ -214,7 +211,3 @@ def takes_workers(probe: Any) -> bool:
         return False
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
                for p in params)
-
-
-def default_host_probe() -> PsutilHostProbe:
-    return PsutilHostProbe()

@@ -80,12 +80,15 @@ class LoaderIteration:
         self._loader_stale = self._restart_pending = True
 
     def match_stage(self) -> None:
-        """After a depth change: a live stage of the other kind (thread or none) is replaced
-        before the next batch."""
+        """After a depth change: a live stage keeps the new depth from the next batch on, or,
+        of the other kind (thread or none), is replaced before it."""
         stage = self._pipeline.stage
-        if stage is not None and \
-                isinstance(stage, ThreadedPrefetcher) != self._sizing.wants_thread():
+        if stage is None:
+            return
+        if isinstance(stage, ThreadedPrefetcher) != self._sizing.wants_thread():
             self._restart_pending = True
+        else:
+            stage.set_depth(self._sizing.device_prefetch_depth)
 
     def stop(self) -> None:
         """A live iterator stops (the position moves elsewhere)."""
@@ -137,17 +140,13 @@ class LoaderIteration:
         return self._open_stage()
 
     def _batches(self, generation: int) -> Iterator[Any]:
-        clock, steps, figures, pos, sizing = (self._clock, self.steps, self._figures, self._pos,
-                                              self._sizing)
+        clock, steps, figures, pos = self._clock, self.steps, self._figures, self._pos
         source = self._open_stage()
         last = clock()
         try:
             while generation == self._generation:
                 if self._restart_pending:
                     source = self._restart()
-                elif source is self._pipeline.stage and \
-                        source.depth != sizing.device_prefetch_depth:
-                    source.set_depth(sizing.device_prefetch_depth)
                 if steps is not None:
                     steps.before_fetch()
                 t0 = clock()
@@ -170,7 +169,7 @@ class LoaderIteration:
                     self._check_batch(batch)
                 pos.batches_in_iter += 1
                 if pos.batches_in_iter == 1 and self._watcher is not None \
-                        and sizing.plan.num_workers:
+                        and self._sizing.plan.num_workers:
                     self._watcher.start()   # after the first batch: workers are past start-up
                 yield batch
                 # the loop owns the batch now: freeing it (unmapping its shared memory) is the

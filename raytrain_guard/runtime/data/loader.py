@@ -1,11 +1,7 @@
 """The guarded DataLoader: sized from measured batches, sharded exactly once, resumable.
 
-:class:`GuardedDataLoader` drives a torch DataLoader inside a Ray Train worker from the parts of
-this folder: ``sampler`` (the resumable DistributedSampler), ``sizing`` (workers, prefetch and
-the stage's depth within the host budget), ``iteration`` (the iterators and their per-batch
-timing), ``resume`` (the epoch position), ``figures`` (data wait and bytes), ``pipeline`` (the
-torch DataLoader and the stage ahead of the loop) and ``worker_memory`` (a copy-on-read watch).
-Its contracts: docs/train_loop.md, "The guarded DataLoader".
+:class:`GuardedDataLoader` joins the parts of this folder around a torch DataLoader. Its
+contracts: docs/train_loop.md, "The guarded DataLoader".
 """
 
 from __future__ import annotations
@@ -70,9 +66,7 @@ class GuardedDataLoader:
             check_int("prefetch_factor", prefetch_factor, at_least=1,
                       fix="use None to let the guard size it")
         num_samples = _dataset_len(dataset)
-        ctx = None
-        if world_rank is None or world_size is None or gpus_per_node is None:
-            ctx = current_context()
+        ctx = current_context()
         self.world_size = ctx.world_size if world_size is None else world_size
         self.world_rank = ctx.world_rank if world_rank is None else world_rank
         check_int("world_size", self.world_size, at_least=1,
@@ -89,8 +83,9 @@ class GuardedDataLoader:
         self.drop_last = bool(drop_last)
         self.config = config
         self.device = torch.device(device) if device is not None else None
-        pin_memory = (self.device is not None and self.device.type == "cuda"
-                      and torch.cuda.is_available())
+        #: batches are pinned for the copy to a CUDA device
+        self.pin_memory = pin_memory = (self.device is not None and self.device.type == "cuda"
+                                        and torch.cuda.is_available())
 
         # Measure a real batch and check the samples agree, before any worker exists.
         probe_signature, self.probe_batch_bytes = _probe_batch(dataset, batch_size, collate_fn,
@@ -143,10 +138,7 @@ class GuardedDataLoader:
     @property
     def torch_loader(self) -> DataLoader:
         """The underlying torch DataLoader (built on first use, rebuilt by a re-plan)."""
-        pipeline = self._pipeline
-        if pipeline.torch_loader is None:
-            pipeline.torch_loader = pipeline.build(self.plan)
-        return pipeline.torch_loader
+        return self._pipeline.loader(self.plan)
 
     def worker_pids(self) -> tuple[int, ...]:
         """Process ids of the live DataLoader workers (empty without workers)."""
@@ -245,7 +237,7 @@ class GuardedDataLoader:
         (lowered to what the host budget leaves when those batches are host memory)."""
         check_int("device_prefetch_depth", depth, fix="use 0 (off), 1 or 2")
         applied = self._sizing.set_device_prefetch_depth(depth)
-        self._iteration.match_stage()     # the background stage starts or stops
+        self._iteration.match_stage()     # the live stage follows
         return applied
 
     # -- figures ---------------------------------------------------------------------------------
@@ -254,12 +246,10 @@ class GuardedDataLoader:
         plan, watcher = self.plan, self._watcher
         host, device = self._sizing.bytes_in_flight()
         return {"epoch": self._pos.epoch, "batches_consumed": self.batches_consumed,
-                **self._figures.to_dict(),
-                "bytes_in_flight_estimate": host + device,
-                "host_bytes_in_flight_estimate": host,
-                "device_bytes_in_flight_estimate": device,
-                "host_budget_bytes": plan.budget_bytes,
-                "num_workers": plan.num_workers, "prefetch_factor": plan.prefetch_factor,
+                **self._figures.to_dict(), "bytes_in_flight_estimate": host + device,
+                "host_bytes_in_flight_estimate": host, "device_bytes_in_flight_estimate": device,
+                "host_budget_bytes": plan.budget_bytes, "num_workers": plan.num_workers,
+                "prefetch_factor": plan.prefetch_factor,
                 "device_prefetch_depth": self._sizing.device_prefetch_depth,
                 "replans": self._sizing.num_replans,
                 "worker_private_bytes": watcher.last_private_bytes if watcher else 0,

@@ -43,15 +43,16 @@ class WorkerPipeline:
         self.stage: ThreadedPrefetcher | DevicePrefetcher | None = None
 
     def start(self, plan: DataLoaderPlan) -> None:
-        """A new torch iterator (the sampler set by the caller); the DataLoader is built on
-        first use (persistent workers are reused: torch resets their iterator)."""
-        if self.torch_loader is None:
-            self.torch_loader = self.build(plan)
-        self.torch_iter = iter(self.torch_loader)
+        """A new torch iterator (the sampler set by the caller); persistent workers are reused:
+        torch resets their iterator."""
+        self.torch_iter = iter(self.loader(plan))
 
-    def build(self, plan: DataLoaderPlan) -> DataLoader:
+    def loader(self, plan: DataLoaderPlan) -> DataLoader:
+        """The torch DataLoader, built on first use (and after :meth:`close`) from ``plan``."""
+        if self.torch_loader is not None:
+            return self.torch_loader
         workers = plan.num_workers
-        return DataLoader(
+        self.torch_loader = DataLoader(
             self.dataset, batch_size=self.batch_size, sampler=self.sampler,
             drop_last=self.drop_last, collate_fn=self._collate_fn, num_workers=workers,
             prefetch_factor=plan.prefetch_factor if workers else None,
@@ -59,6 +60,7 @@ class WorkerPipeline:
             pin_memory=self.pin_memory,
             multiprocessing_context=self._mp_context if workers else None,
             generator=torch.Generator().manual_seed(self.seed))
+        return self.torch_loader
 
     def open_stage(self, depth: int, *, thread: bool) -> Iterator[Any]:
         """The source of batches over the current iterator: a stage keeping ``depth`` ready

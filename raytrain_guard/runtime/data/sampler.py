@@ -49,9 +49,8 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_remaining % self.num_replicas if self.drop_last else 0
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return self.num_remaining // self.num_replicas
-        return -(-self.num_remaining // self.num_replicas)
+        n, w = self.num_remaining, self.num_replicas
+        return n // w if self.drop_last else -(-n // w)
 
     def epoch_permutation(self) -> list[int]:
         """The order of this epoch, all ranks together (identical to DistributedSampler's)."""

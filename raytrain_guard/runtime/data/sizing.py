@@ -6,6 +6,7 @@ the stage that keeps batches ready, held within what the plan leaves of the host
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -37,13 +38,13 @@ class LoaderSizing:
                  host_probe: HostProbe | None, world_rank: int) -> None:
         self.config = config
         self._figures = figures
-        self._gpus_per_node = gpus_per_node
-        self._cpus_per_node = cpus_per_node
         self._pin_memory = pin_memory
         self._device = device
-        self._list_backed = list_backed
-        self._num_workers = num_workers
-        self._prefetch_factor = prefetch_factor
+        # the planner's rule with the inputs that stay fixed for this loader
+        self._size = functools.partial(
+            size_dataloader, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
+            pin_memory=pin_memory, config=config, list_backed_dataset=list_backed,
+            num_workers=num_workers, prefetch_factor=prefetch_factor)
         self._host_memory_bytes = host_memory_bytes
         self._host_probe = host_probe or host_memory
         self._world_rank = world_rank
@@ -145,13 +146,8 @@ class LoaderSizing:
 
     def _make_plan(self, batch_bytes: int) -> DataLoaderPlan:
         host, pressure = self._host_for_plan()
-        plan = size_dataloader(batch_bytes=batch_bytes, host_memory_bytes=host,
-                               gpus_per_node=self._gpus_per_node,
-                               cpus_per_node=self._cpus_per_node, pin_memory=self._pin_memory,
-                               config=self.config, list_backed_dataset=self._list_backed,
-                               num_workers=self._num_workers,
-                               prefetch_factor=self._prefetch_factor,
-                               prefetch_cap=self._requested_prefetch)
+        plan = self._size(batch_bytes=batch_bytes, host_memory_bytes=host,
+                          prefetch_cap=self._requested_prefetch)
         return dataclasses.replace(plan, reason=pressure + plan.reason) if pressure else plan
 
     def _plan_or_keep(self, batch_bytes: int) -> DataLoaderPlan:

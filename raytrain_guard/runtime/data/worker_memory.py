@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from raytrain_guard.errors import check_int
+from raytrain_guard.runtime.host_memory import private_bytes
 from raytrain_guard.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -70,16 +71,8 @@ class GrowthDetector:
 
 
 def read_private_bytes(pids: Iterable[int]) -> int:
-    """Sum of the USS of ``pids`` (psutil); processes that vanished count 0."""
-    import psutil
-
-    total = 0
-    for pid in pids:
-        try:
-            total += psutil.Process(pid).memory_full_info().uss
-        except (psutil.Error, OSError):
-            continue
-    return total
+    """Sum of the USS of ``pids``; processes that vanished count 0."""
+    return sum(private_bytes(pid) or 0 for pid in pids)
 
 
 class WorkerMemoryWatcher:

@@ -3,8 +3,7 @@
 At start-up every rank allreduces a few message sizes a few times; the slowest rank's time per
 size (max over ranks) gives a bus-bandwidth curve, and the smallest message that reaches
 ``GuardConfig.bandwidth_peak_frac`` of the curve's peak is the bucket size where bigger buckets
-stop paying off. The planner's bucket recommendation takes that curve
-(``recommend_bucket_cap(..., bandwidth_curve=curve.as_pairs())``).
+stop paying off. :func:`plan_bucket_cap` hands that curve to the planner's bucket recommendation.
 
 Bus bandwidth follows the nccl-tests convention for allreduce: ``2 (n - 1) / n x bytes / time``
 (a ring moves each byte ``2 (n - 1) / n`` times), so figures from different world sizes compare.
@@ -23,15 +22,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError, check_int
+from raytrain_guard.planner.buckets import BucketPlan, recommend_bucket_cap
 from raytrain_guard.units import KiB, MiB, format_bytes
 
 logger = logging.getLogger(__name__)
 
-#: Message sizes measured on CPU (gloo): 64 KiB .. 16 MiB, a factor 4 apart. Five sizes x
-#: (1 warm-up + 3 timed) allreduces take about 0.1-0.3 s on a 2-core box.
+#: Message sizes measured on CPU (gloo), a factor 4 apart.
 CPU_SIZES_BYTES: tuple[int, ...] = (64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB)
-#: On CUDA (NCCL) the curve flattens later: 256 KiB .. 256 MiB.
+#: On CUDA (NCCL) the curve flattens later.
 CUDA_SIZES_BYTES: tuple[int, ...] = (256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
 
 
@@ -69,10 +69,9 @@ class BandwidthCurve:
             raise InputError("sizes_bytes", "needs one time per size and at least one size",
                              value=(len(sizes_bytes), len(times_s)),
                              fix="pass equally long, non-empty sequences")
-        pairs = sorted(zip(sizes_bytes, times_s))
         points = tuple(BandwidthPoint(int(s), float(t), bus_bytes_per_s(int(s), float(t),
                                                                         world_size))
-                       for s, t in pairs)
+                       for s, t in sorted(zip(sizes_bytes, times_s)))
         return cls(world_size, backend, points, measure_s)
 
     @property
@@ -129,13 +128,10 @@ class BandwidthCurve:
 def measure_allreduce_curve(*, sizes_bytes: Sequence[int] | None = None, num_iters: int = 3,
                             num_warmup: int = 1, device: Any = None, group: Any = None,
                             clock: Callable[[], float] = time.perf_counter) -> BandwidthCurve:
-    """Time allreduce of each size on the live process group; touches torch.distributed.
-
-    Every rank of ``group`` must call it with the same sizes (it is a sequence of collectives).
-    Per size: ``num_warmup`` untimed allreduces, then ``num_iters`` timed ones; the time per
-    allreduce is then maxed over ranks (one more small allreduce), so the curve is what the
-    slowest rank saw. Float32 messages. ``device`` defaults to the current CUDA device under
-    NCCL and CPU otherwise.
+    """Time allreduce of each size on the live process group: a sequence of collectives,
+    which every rank of ``group`` calls with the same sizes. Per size: ``num_warmup`` untimed
+    allreduces, then ``num_iters`` timed ones, maxed over ranks: the curve is what the slowest
+    rank saw. ``device`` defaults to the current CUDA device under NCCL and CPU otherwise.
     """
     check_int("num_iters", num_iters, at_least=1, fix="use e.g. 3")
     if not dist.is_available() or not dist.is_initialized():
@@ -171,9 +167,16 @@ def measure_allreduce_curve(*, sizes_bytes: Sequence[int] | None = None, num_ite
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     del buffer
-    curve = BandwidthCurve.from_times(sizes, slowest.cpu().tolist(), world_size=world_size,
-                                      backend=backend, measure_s=clock() - start)
-    return curve
+    return BandwidthCurve.from_times(sizes, slowest.cpu().tolist(), world_size=world_size,
+                                     backend=backend, measure_s=clock() - start)
+
+
+def plan_bucket_cap(model: Any, config: GuardConfig, curve: BandwidthCurve | None) -> BucketPlan:
+    """DDP's bucket cap recommended from ``model``'s trainable gradients (in the order backward
+    makes them) and, when measured, the allreduce ``curve``."""
+    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    return recommend_bucket_cap(grad_bytes=sum(sizes), config=config, param_bytes=sizes[::-1],
+                                bandwidth_curve=curve.as_pairs() if curve is not None else None)
 
 
 def _synchronize(device: Any) -> None:

@@ -1,12 +1,7 @@
-"""Checkpoints of the shared train loop: everything a restarted run needs to continue exactly.
-
-Every rank writes its own part of model and optimizer with ``torch.distributed.checkpoint``
-(:func:`save_sharded`) and rank 0 a small meta file (step, loader position, every rank's RNG
-and gate state, losses, extra); a resume on any world size and strategy reads back the parts
-each rank holds now (:func:`load_sharded`). The optimizer is written one entry per parameter,
-by name (ZeRO-1: each rank its own partition, :mod:`~raytrain_guard.runtime.dist.zero_state`).
-No rank gathers the whole model or optimizer, and every entry loads with
-``weights_only=True``. :func:`gather_objects` is the end-of-run results' gather.
+"""Checkpoints of the shared train loop: everything a restarted run needs to continue exactly,
+written as shards (:func:`save_sharded`) and read back on any world size and strategy
+(:func:`load_sharded`). No rank gathers the whole model or optimizer, and every entry loads
+with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -81,9 +76,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (``all_gather_object`` on the default group: a
-    collective, every rank calls it); ``[obj]`` outside torch.distributed. The train loop's
-    end-of-run results go through it, next to the checkpoint they are written with."""
-
+    collective, every rank calls it); ``[obj]`` outside torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -94,7 +87,7 @@ def gather_objects(obj: Any) -> list[Any]:
 def _rank_states(guard_state: Mapping[str, Any] | None, loss: float | None
                  ) -> dict[str, list[Any]]:
     """Every rank's RNG states (loadable with ``weights_only=True``), gate state and loss, in
-    rank order: one ``all_gather_object`` (a collective: every rank calls it)."""
+    rank order (a collective)."""
     gathered = gather_objects({"rng": rng_state(), "guard": dict(guard_state or {}),
                                "loss": loss})
     return {"rng": [g["rng"] for g in gathered], "guard": [g["guard"] for g in gathered],
@@ -108,14 +101,11 @@ def save_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
     """Every rank writes its own shard of model and optimizer into ``directory`` with
     ``torch.distributed.checkpoint`` (FSDP2's DTensors stay sharded; DDP's replicated tensors
     are written once, spread over the ranks; ZeRO-1's optimizer state by the rank that owns
-    each parameter); rank 0 adds :data:`META_FILE` (step, loader, every rank's RNG and gate
-    state, losses, extra), gathered with one small ``all_gather_object``. A collective: every
-    rank calls it, each with a directory of its own or a shared one (Ray Train merges the
-    ranks' directories of one report). No rank holds more than its shard. The optimizer is
-    written per parameter (:data:`OPTIMIZER_LAYOUT`). A meta that would not load with
-    ``weights_only=True`` raises an InputError naming its entry on every rank, before anything
-    is written. Returns the meta (every rank's view)."""
-
+    each parameter), the optimizer per parameter (:data:`OPTIMIZER_LAYOUT`); rank 0 adds
+    :data:`META_FILE` (step, loader, every rank's RNG and gate state, losses, extra). A
+    collective: every rank calls it, each with a directory of its own or a shared one. A meta
+    that would not load with ``weights_only=True`` raises an InputError naming its entry on
+    every rank, before anything is written. Returns the meta."""
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
@@ -147,7 +137,6 @@ def _safe_meta_bytes(meta: Mapping[str, Any]) -> bytes:
     ``weights_only=True`` (what :func:`read_meta` does at resume): a meta holding anything but
     tensors, numbers, strings and their containers raises an InputError naming the entry now,
     at save time, instead of a checkpoint that no resume can read."""
-
     def serialized(value: Any) -> tuple[bytes, str | None]:
         """``value`` saved, and why it cannot be saved or loaded back (None: it can)."""
         buffer = io.BytesIO()
@@ -191,7 +180,6 @@ def load_sharded(directory: str | os.PathLike[str], planned: Any, optimizer: Any
     is resharded to the new mesh; ZeRO-1 reads the state of the parameters it owns under the
     new partition). Non-tensor entries load with ``weights_only=True`` too. A collective.
     Returns the meta."""
-
     meta = read_meta(directory)
     zero = is_zero(optimizer)
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -220,7 +208,6 @@ def is_complete(directory: str | os.PathLike[str]) -> bool:
     """Whether ``directory`` holds a whole :func:`save_sharded` checkpoint: its meta file, and
     every shard file its ``torch.distributed.checkpoint`` metadata names, at least as long as
     the entries it holds there. A copy cut short (a torn checkpoint) lacks one of them."""
-
     if not os.path.isfile(os.path.join(directory, META_FILE)):
         return False
     try:

@@ -1,14 +1,10 @@
 """Planned DDP / FSDP: the user's module wrapped the way the plan says (torch is imported by the
 functions that wrap: :func:`parse_strategy` also serves the driver's configs, without torch).
 
-``ddp`` and ``zero1`` are DistributedDataParallel with the plan's ``bucket_cap_mb`` (through
-Ray's ``prepare_model`` inside a Ray Train worker; ``zero1`` also shards the optimizer state);
-``fsdp-grad-op`` and ``fsdp-full`` are FSDP2 ``fully_shard`` over the planner's units
-(:func:`~raytrain_guard.planner.fsdp_units.wrap_units`), on CPU with gloo too.
-:meth:`PlannedModel.grad_sync` is the one switch for gradient accumulation and honours the
-planned ``fsdp_grad_sync``
-(:class:`~raytrain_guard.planner.memory_model.GradSync`). Why the sharding is the guard's and not
-Ray's, and what each mode does: docs/train_loop.md ("The model wrapping").
+``ddp`` and ``zero1`` are DistributedDataParallel with the plan's ``bucket_cap_mb`` (``zero1``
+also shards the optimizer state); ``fsdp-grad-op`` and ``fsdp-full`` are FSDP2 ``fully_shard``
+over the planner's units, on CPU with gloo too. What each mode does: docs/train_loop.md ("The
+model wrapping").
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain_guard.coordination.context import current_context
 from raytrain_guard.errors import InputError
 from raytrain_guard.log import warn_once
 from raytrain_guard.planner.fsdp_units import wrap_units
@@ -88,31 +85,21 @@ class PlannedModel:
                 self.module.set_requires_gradient_sync(True)
 
     def bucket_layout(self) -> dict[str, Any]:
-        """DDP's bucket settings as the reducer holds them (empty unless DDP).
-
-        ``bucket_cap_bytes`` is ``DistributedDataParallel.bucket_bytes_cap``; ``bucket_sizes``
-        the bytes of each bucket as last built (after the first iteration DDP rebuilds them in
-        the order gradients became ready). The sizes come from DDP's logging data, which torch
-        exposes only privately: without it (another torch), or when it raises or answers in
-        another shape, they are left out, warned once.
-        """
+        """DDP's bucket settings as the reducer holds them (empty unless DDP): the cap and,
+        from DDP's private logging data, the bytes of each bucket as last built (left out,
+        warned once, where that data is missing or in another shape)."""
         if self.kind != KIND_DDP:
             return {}
         layout: dict[str, Any] = {
             "bucket_cap_bytes": int(self.module.bucket_bytes_cap),
             "gradient_as_bucket_view": bool(getattr(self.module, "gradient_as_bucket_view",
                                                     self.gradient_as_bucket_view))}
-        logging_data = getattr(self.module, "_get_ddp_logging_data", None)
-        if logging_data is None:
-            warn_once(logger, "ddp_logging_data", "DistributedDataParallel has no "
-                      "_get_ddp_logging_data in this torch: the bucket layout holds the cap only")
-            return layout
         try:
-            return {**layout, **_bucket_sizes(logging_data())}
-        except Exception as exc:  # noqa: BLE001 - a changed private API: the cap only
+            return {**layout, **_bucket_sizes(self.module._get_ddp_logging_data())}
+        except Exception as exc:  # noqa: BLE001 - a private API missing or changed: the cap only
             warn_once(logger, "ddp_logging_data", "DistributedDataParallel._get_ddp_logging_data "
-                      f"failed or answered in another shape ({exc!r}): the bucket layout holds "
-                      "the cap only")
+                      f"is missing, failed or answered in another shape ({exc!r}): the bucket "
+                      "layout holds the cap only")
             return layout
 
     def describe(self) -> dict[str, Any]:
@@ -163,7 +150,7 @@ def wrap_model(model: Any, *, strategy: Strategy | str = Strategy.DDP,
         raise InputError("model", "is not a torch.nn.Module", value=type(model).__name__,
                          fix="make model_factory() return an nn.Module")
     if use_ray is None:
-        use_ray = _in_ray_train_worker()
+        use_ray = current_context().source == "ray"
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if device is None:
         device = _default_device(use_ray)
@@ -265,15 +252,6 @@ def wrap_optimizer(planned: PlannedModel, optimizer: Any) -> Any:
     for group in groups[1:]:
         zero.add_param_group(group)
     return zero
-
-
-def _in_ray_train_worker() -> bool:
-    try:
-        import ray.train
-        ray.train.get_context().get_world_size()
-        return True
-    except Exception:  # noqa: BLE001 - any failure means: not inside a Ray Train worker
-        return False
 
 
 def _default_device(use_ray: bool) -> Any:

@@ -32,13 +32,10 @@ def is_zero(optimizer: Any) -> bool:
 
 
 def param_names(module: Any) -> dict[Any, str]:
-    """Parameter -> its name in ``get_model_state_dict`` (DDP's ``module.``, torch.compile's and
-    activation checkpointing's prefixes left out), the key its optimizer state is written under
-    by ``get_optimizer_state_dict``: the same naming, so every strategy reads the others'.
-
-    torch names them with its private ``_get_fqns``; where this torch has none, or it answers
-    with anything but one name, :func:`_unwrapped_name` gives the name (warned once): the same
-    names for a plain, DDP-wrapped or compiled module."""
+    """Parameter -> its name in ``get_model_state_dict``, the key ``get_optimizer_state_dict``
+    writes its optimizer state under: the same naming, so every strategy reads the others'.
+    torch's private ``_get_fqns`` gives it; without one that answers one name,
+    :func:`_unwrapped_name` does (warned once)."""
     get_fqns = _torch_get_fqns()
     if get_fqns is None:
         warn_once(logger, "_get_fqns", "this torch has no torch.distributed.checkpoint."
@@ -95,8 +92,7 @@ def _unwrapped_name(module: Any, name: str) -> str:
 def zero_partition(module: Any, zero: Any) -> dict[str, Any]:
     """This rank's part of a ZeroRedundancyOptimizer: the state and group settings of the
     parameters its local optimizer owns, in torch's flattened layout (one entry per parameter,
-    by name), so that each rank writes only its partition and a reader of any world size finds
-    each parameter's state by name."""
+    by name)."""
     names = param_names(module)
     local = zero.optim
     out: dict[str, Any] = {}

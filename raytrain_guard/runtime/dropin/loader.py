@@ -11,7 +11,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.runtime.data.loader import GuardedDataLoader
@@ -80,9 +87,7 @@ class DropInDataLoader(GuardedDataLoader):
                                       **{k: v for k, v in kwargs.items()
                                          if k not in ("persistent_workers", "watch_worker_memory",
                                                       "multiprocessing_context")})
-            pinned = probe.device is not None and probe.device.type == "cuda" and \
-                torch.cuda.is_available()
-            cost = probe.probe_batch_bytes * (2 if pinned else 1)
+            cost = probe.probe_batch_bytes * (2 if probe.pin_memory else 1)
             budget = probe.plan.budget_bytes
             probe.close()
             num_workers, prefetch_factor, warning = lower_to_budget(
@@ -104,10 +109,10 @@ class DropInDataLoader(GuardedDataLoader):
         generator = loader.generator
         return cls.keeping_settings(
             loader.dataset, loader.batch_size,
-            shuffle=isinstance(loader.sampler, torch.utils.data.RandomSampler),
+            shuffle=isinstance(loader.sampler, RandomSampler),
             seed=int(generator.initial_seed()) if generator is not None else 0,
             drop_last=loader.drop_last,
-            collate_fn=None if loader.collate_fn is default_collate() else loader.collate_fn,
+            collate_fn=None if loader.collate_fn is default_collate else loader.collate_fn,
             config=config,
             world_rank=world_rank if add_dist_sampler else 0,
             world_size=world_size if add_dist_sampler else 1,
@@ -166,14 +171,6 @@ def _context_name(context: Any) -> str | None:
 
 def unguardable(loader: Any) -> str | None:
     """Why a DataLoader cannot be rebuilt as a guarded one (None: it can)."""
-    from torch.utils.data import (
-        BatchSampler,
-        DataLoader,
-        IterableDataset,
-        RandomSampler,
-        SequentialSampler,
-    )
-
     if not isinstance(loader, DataLoader):
         return f"not a torch DataLoader ({type(loader).__name__})"
     if isinstance(loader.dataset, IterableDataset):
@@ -185,9 +182,3 @@ def unguardable(loader: Any) -> str | None:
     if type(loader.batch_sampler) is not BatchSampler:
         return f"a custom batch_sampler ({type(loader.batch_sampler).__name__})"
     return None
-
-
-def default_collate() -> Any:
-    """torch's default collate function (a DataLoader without ``collate_fn`` has it)."""
-    from torch.utils.data import default_collate
-    return default_collate

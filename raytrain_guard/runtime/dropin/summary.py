@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from raytrain_guard.coordination.client import coordinator_name
+from raytrain_guard.core.gate import attribute_across_ranks
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.runtime.guard.boundary import OTHER_RANK_STOP
 
@@ -32,8 +34,6 @@ def combine_summaries(per_rank: list[Mapping[str, Any]], *,
     """Every rank's :func:`rank_summary` -> the run's (pure but for StepStats): attribution
     across ranks, data wait and loader settings per rank, every decision, the stop (a rank that
     only heard of it learns whose it was)."""
-    from raytrain_guard.core.gate import attribute_across_ranks
-
     ranks = sorted(per_rank, key=lambda r: r.get("world_rank", 0))
     windows = [[StepStats.from_dict(s) for s in r.get("window") or ()] for r in ranks]
     attribution = [{"world_rank": a.world_rank, "role": a.role.value, "reason": a.reason}
@@ -58,7 +58,5 @@ def report_summary(run_id: str, namespace: str | None, world_rank: int,
     """The one function that touches ``ray.get`` (at the end of the run, with a timeout): this
     rank's summary to the run's coordinator."""
     import ray
-
-    from raytrain_guard.coordination.client import coordinator_name
     handle = ray.get_actor(coordinator_name(run_id), namespace=namespace)
     ray.get(handle.report_summary.remote(world_rank, summary), timeout=10)

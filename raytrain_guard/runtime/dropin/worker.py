@@ -174,6 +174,52 @@ class WorkerGuard:
         self._hooks.extend(self._phases.hook_optimizer(optimizer))
         return optimizer
 
+    # -- a trainer's own model, optimizer and loader (the integrations) -------------------------
+    def guard_model(self, model: Any) -> Any:
+        """Time ``forward`` and ``backward`` of a model a trainer wrapped itself (Hugging Face's,
+        Lightning's): the phase hooks only, nothing re-wrapped. Returns ``model``."""
+        self.build()
+        self._hooks.append(self._phases.hook_model(model))
+        return model
+
+    def guard_optimizer(self, optimizer: Any) -> Any:
+        """:meth:`prepare_optimizer` on the torch optimizer inside a trainer's wrapper
+        (accelerate's ``.optimizer``, Lightning's ``._optimizer``), whose ``step()`` runs once
+        per optimizer step. Returns that torch optimizer."""
+        return self.prepare_optimizer(unwrap_optimizer(optimizer))
+
+    def attach_loader(self, loader: Any) -> None:
+        """A loader the trainer built (not the guard): its ``settings()`` and ``stats()`` go to
+        the summary, a SET_PREFETCH decision to its ``request_prefetch_factor``. The first one
+        only (the training loader)."""
+        self.build()
+        if self.loader is not None:
+            return
+        self.loader = loader
+        self._actions.loader = loader
+        if self.metrics is not None:
+            self._safe("metrics", self.metrics.record_loader, loader.plan.num_workers,
+                       loader.plan.prefetch_factor)
+
+    def start_at(self, step: int) -> None:
+        """Count steps from ``step`` (a trainer restored at that global step): stops and
+        decisions are then at the trainer's steps, alike on every rank."""
+        self.build()
+        self.boundary.step = int(step)
+        self.note_pause()
+
+    def note_pause(self) -> None:
+        """The trainer paused between steps (a checkpoint, an evaluation, a restore): the next
+        steps settle before the slow-step rules judge them, and the next step opens now."""
+        if self._built:
+            self._safe("note_pause", self.step_guard.note_pause, self.step)
+            self._safe("note_pause", self.step_guard.begin_step, self.step)
+
+    def mark(self, phase: str) -> None:
+        """End ``phase`` now (``"data"`` where a trainer has fetched the step's batches)."""
+        if self._built:
+            self._safe("mark", self.step_guard.mark, phase)
+
     # -- what the loop asks ----------------------------------------------------------------------
     @property
     def step(self) -> int:
@@ -256,6 +302,17 @@ class WorkerGuard:
 
     def _safe(self, part: str, fn: Callable[..., Any], *args: Any) -> Any:
         return self._fail_open.call(part, fn, *args)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside trainers' wrappers (``.optimizer``, ``._optimizer``)."""
+    inner = optimizer
+    for _ in range(4):                  # wrappers nest at most a few deep
+        wrapped = getattr(inner, "optimizer", None) or getattr(inner, "_optimizer", None)
+        if not isinstance(wrapped, torch.optim.Optimizer):
+            break
+        inner = wrapped
+    return inner
 
 
 # -- the process's guard -------------------------------------------------------------------------

@@ -1,3 +1,2 @@
 """The per-worker step guard: step timing, memory probes, the gate fed in batches, the hang
-watchdog, local actions.
-"""
+watchdog, local actions."""

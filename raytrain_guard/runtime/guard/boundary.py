@@ -2,12 +2,10 @@
 rank's own gate decisions, the cluster's (the decision source, in lockstep), the stop every rank
 agrees on, and whether to checkpoint now.
 
-A ``checkpoint_and_stop`` from any rank's gate, from :meth:`StepBoundary.request_stop` on any
-rank or from the coordinator stops every rank at the same step: the stop flag rides on the
-control plane's round (:mod:`raytrain_guard.coordination.control_plane`), which runs every
-``stop_every`` steps or with the lockstep exchange. No RPC: the source's poll and that round
-are the only exchanges, and they run at the same steps on every rank. With ``act`` off (the
-experiment's observe arm) decisions are recorded, never applied.
+A ``checkpoint_and_stop`` from any rank's gate, from :meth:`StepBoundary.request_stop` or from
+the coordinator stops every rank at the same step: the stop flag rides on the control plane's
+round (:mod:`raytrain_guard.coordination.control_plane`). No RPC: the source's poll and that
+round are the only exchanges, at the same steps on every rank.
 """
 
 from __future__ import annotations
@@ -56,12 +54,11 @@ def set_prefetch(loader: Any, params: Mapping[str, Any]) -> None:
 
 
 class StepBoundary:
-    """One rank's step boundary (see the module docstring).
-
-    ``source``: the cluster's decisions (None: the gate only). ``metrics``: the rank's gauges
-    (None: none). ``actions``: what only the loop applies (:class:`BoundaryActions`). ``log``:
-    where each decision's entry goes (``append``; default a list, :attr:`decision_log`).
-    ``on_stats``: called with the StepStats read at a boundary (the loop's trace).
+    """One rank's step boundary. ``source``: the cluster's decisions (None: the gate only).
+    ``metrics``: the rank's gauges (None: none). ``actions``: what only the loop applies.
+    ``act`` False (the experiment's observe arm): decisions are recorded, never applied.
+    ``log``: where each decision's entry goes (``append``; default a list,
+    :attr:`decision_log`). ``on_stats``: called with the StepStats read at a boundary.
     ``stop_every``: steps between stop agreements, default ``lockstep_every_steps`` so that the
     flag rides on the lockstep round (one collective, not two).
     """
@@ -162,9 +159,7 @@ class StepBoundary:
         left = self._fail_open.call("finish", self.step_guard.drain_stats) or []
         if left:
             self._took(left)
-        source = self.source
-        finish = getattr(source, "finish", None) or \
-            getattr(getattr(source, "_source", None), "finish", None)
+        finish = getattr(self.source, "finish", None)
         if callable(finish):
             self._fail_open.call("finish", finish, left)
         return left

@@ -2,7 +2,8 @@
 :class:`~raytrain_guard.runtime.guard.timing.StepTimer` (``StepStats.comm_wait_s``).
 
 :func:`attach_comm_timer` wraps DDP's communication hook; :func:`attach_fsdp_comm_timer` wraps
-FSDP2's collectives. What the figure means: docs/train_loop.md, "Step timings".
+FSDP2's collectives; :func:`attach_comm_timers` picks the one a wrapped model needs. What the
+figure means: docs/train_loop.md, "Step timings".
 """
 
 from __future__ import annotations
@@ -11,10 +12,27 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from torch.nn.parallel import DistributedDataParallel
+
 from raytrain_guard.errors import InputError
 from raytrain_guard.runtime.guard.timing import StepTimer
 
 logger = logging.getLogger(__name__)
+
+
+def attach_comm_timers(module: Any, timer: StepTimer, *, world_rank: int,
+                       hook: Callable | None = None,
+                       before_reduce_scatter: Callable[[], None] | None = None) -> None:
+    """Time the communication of a DDP or FSDP2 ``module`` into ``timer`` (any other module has
+    none to time). Fails open: a failure (a communication hook of the user's own, say) is
+    logged, and the steps' communication wait reads 0."""
+    try:
+        if isinstance(module, DistributedDataParallel):
+            attach_comm_timer(module, timer, hook=hook)
+        elif hasattr(module, "set_custom_reduce_scatter"):          # FSDP2's root module
+            attach_fsdp_comm_timer(module, timer, before_reduce_scatter=before_reduce_scatter)
+    except Exception:  # fail open
+        logger.warning("rank %d: communication timer not attached", world_rank, exc_info=True)
 
 
 def attach_comm_timer(ddp_model: Any, timer: StepTimer, *, hook: Callable | None = None,

@@ -1,11 +1,9 @@
-"""The real card's figures for pricing a micro-batch before its forward (CUDA).
+"""The real card's figures for pricing a micro-batch before its forward (CUDA): PyTorch's
+caching allocator counters (no device synchronization), where on CPU a simulated card counts.
 
-The train loop prices each micro-batch from the activation bytes per batch element measured on
-the earlier ones (``runtime/loop/spikes.py``); on CPU a simulated card counts them, on CUDA this
-class reads PyTorch's caching allocator (host-side counters: no device synchronization). It
-resets the peak counter before each micro-batch, so a loop that reads ``max_memory_allocated``
-per step sees the last micro-batch's peak. A micro-batch's measure includes the gradients it
-allocates: the price errs high, so a spike may be split into more pieces than it needs.
+The peak counter is reset before each micro-batch, so a loop that reads
+``max_memory_allocated`` per step sees the last micro-batch's peak. A micro-batch's measure
+includes the gradients it allocates: the price errs high.
 """
 
 from __future__ import annotations
@@ -14,6 +12,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 
 class CudaCard:
     """The simulated card's figures from the allocator's counters for ``device``:
@@ -21,10 +21,7 @@ class CudaCard:
     :attr:`step_peak_bytes`; ``capacity_bytes``: the card, or the run's cap."""
 
     def __init__(self, device: Any, capacity_bytes: int | None = None, *, cuda: Any = None) -> None:
-        if cuda is None:
-            import torch
-            cuda = torch.cuda
-        self._cuda = cuda              # torch.cuda; tests pass a fake one
+        self._cuda = cuda or torch.cuda      # tests pass a fake one
         self.device = device
         self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None
                                   else cuda.get_device_properties(device).total_memory)

@@ -1,6 +1,6 @@
 """Memory readings for the step guard: the probe read once per step, or a host reading far
 below the watermark reused for a few steps (the ``/proc`` read costs more than the rest of a
-quiet step; docs/benchmarks.md, "Guard overhead")."""
+quiet step)."""
 
 from __future__ import annotations
 

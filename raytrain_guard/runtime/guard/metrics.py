@@ -1,15 +1,10 @@
 """A training rank's Ray metrics (``ray.util.metrics``), and the catalog of every metric the
-package exports.
+package exports (:data:`EXPORTED`, with the node monitors' and the coordinator's from
+:mod:`raytrain_guard.cluster.metrics`): what the dashboard may query.
 
-Every metric is named ``raytrain_guard_<what>_<unit>``; Ray's Prometheus export adds its own
-``ray_`` prefix, so Grafana sees ``ray_raytrain_guard_rank_step_seconds{...}``. Tag values are
-always strings (Ray rejects anything else). Create these objects inside the process that records
-them (the train worker), never in the driver, and record off the training hot path: a rank
-records once per batch of steps (every ``report_every_steps``). Per-rank metrics carry Ray
-Train's own worker labels, ``ray_train_run_name`` and ``ray_train_worker_world_rank``
-(``ray/train/v2/_internal/metrics``), so a Grafana panel can join them with Ray's Train panels.
-:data:`EXPORTED` lists every metric name the package exports (these and the node monitors' and
-the coordinator's, :mod:`raytrain_guard.cluster.metrics`): what the dashboard may query.
+Every metric is named ``raytrain_guard_<what>_<unit>`` (Grafana sees Ray's ``ray_`` prefix in
+front); tag values are strings (Ray rejects anything else). Create these objects in the process
+that records them (the train worker), never in the driver.
 """
 
 from __future__ import annotations
@@ -64,12 +59,10 @@ def counter(name: str, text: str) -> Any:
 
 class RankMetrics:
     """Per-step gauges of one training rank, labelled like Ray Train's own worker metrics
-    (``ray_train_run_name``, ``ray_train_worker_world_rank``). Created in the train worker.
-
-    :meth:`record` takes a batch of StepStats (the guard drains them every
-    ``report_every_steps`` steps, never every step): each gauge ends at the batch's last step,
-    the step counter grows by the batch's length. About 2-4 us per ``set`` (REFERENCE.md), a
-    dozen per batch.
+    (``ray_train_run_name``, ``ray_train_worker_world_rank``), so that a Grafana panel joins
+    them with Ray's Train panels. :meth:`record` takes a batch of StepStats (every
+    ``report_every_steps`` steps, off the hot path): each gauge ends at the batch's last step,
+    the step counter grows by the batch's length.
     """
 
     def __init__(self, run_name: str, world_rank: int, *, watermark_frac: float | None = None,
@@ -100,14 +93,10 @@ class RankMetrics:
 
     def record(self, stats: Iterable[Any]) -> int:
         """Set the gauges from a batch of StepStats (oldest first); returns how many steps."""
-        n = 0
-        last = None
-        for s in stats:
-            n += 1
-            last = s
-        if last is None:
+        stats = list(stats)
+        if not stats:
             return 0
-        tags = self.tags
+        last, tags = stats[-1], self.tags
         self._step.set(float(last.total_s), tags=tags)
         for phase, ptags in self._phase_tags.items():
             self._phase.set(float(getattr(last, phase + "_s")), tags=ptags)
@@ -116,9 +105,9 @@ class RankMetrics:
                             tags=tags)
         if last.memory_frac is not None:
             self._memory.set(float(last.memory_frac), tags=tags)
-        self._steps.inc(float(n), tags=tags)
+        self._steps.inc(float(len(stats)), tags=tags)
         self._set_steady()
-        return n
+        return len(stats)
 
     def _set_steady(self) -> None:
         for gauge, value in self._steady.values():

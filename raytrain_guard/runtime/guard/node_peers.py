@@ -11,6 +11,7 @@ while open, so a file no process holds is a killed group's, which the next local
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -119,10 +120,8 @@ class NodePeers:
             return
         board.close()
         if self.local_rank == 0:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            except OSError:
-                pass
         os.close(self._fd)                        # releases the lock
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from raytrain_guard.config import GuardConfig
+from raytrain_guard.runtime.guard.metrics import RankMetrics
 from raytrain_guard.runtime.guard.probes import CudaMemoryProbe, ProcessMemoryProbe
 
 logger = logging.getLogger(__name__)
@@ -37,15 +38,13 @@ def memory_probe(device: Any, ctx: Any, config: GuardConfig) -> Any:
 
 def rank_metrics(world_rank: int, config: GuardConfig, *, run_name: str | None = None,
                  run_id: str | None = None) -> Any:
-    """The rank's gauges on Ray's metrics, labelled with Ray Train's run name and the world
-    rank, so Grafana joins them with Ray's train panels (None: Ray not initialized, or no
-    metrics)."""
+    """The rank's gauges on Ray's metrics, labelled with ``run_name`` (default: Ray Train's)
+    and the world rank (None: Ray not initialized, or no metrics)."""
     try:
         import ray
         if not ray.is_initialized():
             return None
-        from raytrain_guard.runtime.guard.metrics import RankMetrics
-        return RankMetrics(_run_name(run_name, run_id), world_rank,
+        return RankMetrics(run_name or _run_name(run_id), world_rank,
                            watermark_frac=config.memory_watermark_frac,
                            critical_frac=config.memory_critical_frac)
     except Exception:
@@ -53,9 +52,7 @@ def rank_metrics(world_rank: int, config: GuardConfig, *, run_name: str | None =
         return None
 
 
-def _run_name(given: str | None, run_id: str | None) -> str:
-    if given:
-        return given
+def _run_name(run_id: str | None) -> str:
     try:
         import ray.train
         return ray.train.get_context().get_experiment_name()

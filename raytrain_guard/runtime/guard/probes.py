@@ -47,11 +47,6 @@ class MemoryReading:
             return None
         return max(0, self.reserved_bytes - self.used_bytes) / self.total_bytes
 
-    @property
-    def used_frac(self) -> float:
-        """Live tensors (or process memory) only, over the total."""
-        return self.used_bytes / self.total_bytes
-
 
 class CudaMemoryProbe:
     """``torch.cuda.memory_allocated`` / ``memory_reserved`` against the card's total memory

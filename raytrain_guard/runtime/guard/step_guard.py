@@ -118,8 +118,7 @@ class StepGuard:
         self.feed.gate = gate
 
     def drain_stats(self) -> list[StepStats]:
-        """The StepStats of the steps finished since the last drain, oldest first
-        (:meth:`GateFeed.drain_stats`)."""
+        """The StepStats of the steps finished since the last drain, oldest first."""
         return self.feed.drain_stats()
 
     # -- pacing and an attached loader ---------------------------------------------------------
@@ -178,15 +177,13 @@ class StepGuard:
     def _applied(self, decisions: list[Decision]) -> list[Decision]:
         """Apply ``decisions`` locally, in order; return them."""
         for decision in decisions:
-            if not self.act:
-                pass
-            elif decision.action is Action.RELEASE_CACHE:
+            action = decision.action
+            if self.act and action is Action.RELEASE_CACHE:
                 self._fail_open.call("release_cache", release_cache)
-            elif decision.action is Action.PACE:
+            elif self.act and action is Action.PACE:
                 self._fail_open.call("pace", self.set_pace, decision.params.get("delay_s", 0.0))
-            log = logger.warning if decision.action in (Action.CHECKPOINT_AND_STOP,
-                                                        Action.SLOW_STEP) else logger.info
-            log("%s", decision)
+            loud = action in (Action.CHECKPOINT_AND_STOP, Action.SLOW_STEP)
+            (logger.warning if loud else logger.info)("%s", decision)
             if self.on_decision is not None:
                 self._fail_open.call("on_decision", self.on_decision, decision)
         return decisions

@@ -81,28 +81,25 @@ class _EventPool:
     def release(self, record: _StepRecord) -> None:
         """Take back ``record``'s events once its figures are read (or it is dropped): all of
         them but its end when the next step started there (that step gives it back)."""
-        free = self._free
-        marks = record.marks
-        free.extend(stamp for _, stamp in marks[:-1])
-        if not record.lends_end and len(marks) > 1:
-            free.append(marks[-1][1])
-        free.extend(record.done)
-        if record.last_ready is not None:
-            free.append(record.last_ready)
+        marks = record.marks[:-1] if record.lends_end else record.marks
+        self._free.extend(stamp for _, stamp in marks)
+        self._take_comm(record)
         record.released = True
         record.lender = None
 
     def discard(self, record: _StepRecord) -> None:
         """Take back the events of a step record that is replaced before it finished
-        (:meth:`StepTimer.begin_step`); a borrowed start goes back to its lender."""
+        (:meth:`StepTimer.begin_step`); a borrowed start goes back to its lender, unless the
+        lender was read already (then nobody holds it)."""
         lender, record.lender = record.lender, None
         if lender is not None:
             lender.lends_end = False
-            if lender.released:          # read already: nobody holds that event now
-                self._free.append(record.marks[0][1])
-        else:
+        if lender is None or lender.released:
             self._free.append(record.marks[0][1])
         self._free.extend(stamp for _, stamp in record.marks[1:])
+        self._take_comm(record)
+
+    def _take_comm(self, record: _StepRecord) -> None:
         self._free.extend(record.done)
         if record.last_ready is not None:
             self._free.append(record.last_ready)

@@ -22,10 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class StepWatchdog:
-    """Watches the step in progress of one rank (docs/coordination.md, "Hangs").
-
+    """Watches the step in progress of the thread that builds it (the training thread).
     ``warmup_steps``: steps that must end before it arms (start-up, the first DDP iteration).
-    The watched thread is the one that builds the watchdog (the training thread).
     ``clock`` and ``start_thread`` are seams for tests, which call :meth:`check` by hand.
     """
 
@@ -59,8 +57,7 @@ class StepWatchdog:
 
     # -- the loop's calls ----------------------------------------------------------------------
     def begin(self, step: int) -> None:
-        now = self._clock()
-        self.step_since = self.phase_since = now
+        self.step_since = self.phase_since = self._clock()
         self.phase = "data"
         self.step = step
 

@@ -83,10 +83,10 @@ class LoopActions(BoundaryActions):
         steps, at most ``max_workers_per_gpu``: the loader keeps prefetch inside the host
         budget), at most once per ``decision_cooldown_steps``. Rank-local: the batches and
         their order do not change, only who reads them."""
-        cfg = self.layout.config.guard
+        layout = self.layout
+        cfg = layout.config.guard
         if self._workers_at is not None and step - self._workers_at < cfg.decision_cooldown_steps:
             return
-        layout = self.layout
         workers = layout.loader.plan.num_workers
         recent = self.guard.gate.window[-cfg.num_slow_steps:]
         wait = statistics.median(s.data_wait_s for s in recent) if recent else 0.0

@@ -32,8 +32,7 @@ class RestartRequested(GuardError):
 class Checkpointer:
     """Sharded checkpoints of ``model`` (a :class:`~raytrain_guard.runtime.loop.model.
     WrappedModel`) with the loader's position, the guard's state and the batch ``layout``,
-    reported through ``reporter`` (Ray Train merges the ranks' directories of one report into
-    one checkpoint; no rank gathers the whole model)."""
+    reported through ``reporter``."""
 
     def __init__(self, reporter: Any, *, model: Any, layout: Any, guard: Any,
                  world_rank: int) -> None:
@@ -112,13 +111,10 @@ class RayTrainReporter:
 
 
 class DirectoryReporter:
-    """Outside Ray: checkpoints go to ``root/checkpoint_<step>``; results are kept in memory.
-
-    A checkpoint is copied under a temporary name next to its place and renamed into it; the
-    ranks of one step that share ``root`` merge their parts file by file, each rank's meta file
-    last. A copy cut short leaves no ``checkpoint_<step>``, or one that is not complete: resume
-    takes the newest complete one (:func:`~raytrain_guard.runtime.dist.checkpoint.is_complete`: its
-    meta file and every shard file its metadata names), skipping torn ones with a warning."""
+    """Outside Ray: checkpoints go to ``root/checkpoint_<step>`` (:func:`_copy_into_place`);
+    results are kept in memory. Resume takes the newest complete checkpoint
+    (:func:`~raytrain_guard.runtime.dist.checkpoint.is_complete`), skipping torn ones with a
+    warning."""
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -148,9 +144,8 @@ _CHECKPOINT_NAME = re.compile(r"checkpoint_(\d+)")
 
 def _copy_into_place(source: str, target: str) -> None:
     """Copy the directory ``source`` to ``target`` so that ``target`` never holds part of one
-    file: copied under a temporary name in ``target``'s folder (the same file system), then
-    renamed; when ``target`` already holds another rank's part, each file is moved in with
-    ``os.replace``, the meta file last."""
+    file: under a temporary name in ``target``'s folder, then renamed; when ``target`` holds
+    another rank's part already, each file is moved in with ``os.replace``, the meta file last."""
     parent, name = os.path.split(target)
     os.makedirs(parent or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=parent or ".")

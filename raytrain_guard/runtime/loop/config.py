@@ -139,10 +139,8 @@ class LoopConfig:
 
     @property
     def every_stop_check(self) -> int:
-        """Steps between stop agreements. Default ``guard.lockstep_every_steps``, so that the
-        stop flag rides on the lockstep round (one collective, not two: the tiny all_reduce
-        costs about 2 ms on gloo, benchmarks/stop_flag_cost.py); a rank that hits critical
-        memory then waits at most K - 1 steps."""
+        """Steps between stop agreements; by default the stop flag rides on the lockstep
+        round (one collective, not two)."""
         return self.stop_check_every_steps or self.guard.lockstep_every_steps
 
 

@@ -45,10 +45,8 @@ class HangExit:
 
     def _report(self, record: Mapping[str, Any]) -> Mapping[str, Any] | None:
         report = getattr(self.source, "report_hang", None)
-        if not callable(report):
-            return None
         try:
-            return report(record)
+            return report(record) if callable(report) else None
         except Exception:
             logger.warning("rank %s: the hang record did not reach the coordinator",
                            record.get("world_rank"), exc_info=True)

@@ -132,13 +132,12 @@ class BatchLayout:
     def micro_batches(self) -> Iterator[Any]:
         """Micro-batches across epochs (the loader moves to the next epoch by itself); after a
         :meth:`replace`, from the new loader at the position the old one reached."""
-        while True:
+        delivered = True
+        while delivered:
             delivered = False
             for batch in self.loader:
                 delivered = True
                 yield batch
-            if not delivered:
-                return
 
     def step_weights(self, micro_batches: Iterator[Any]) -> list[float]:
         """Each micro-batch's share of the next step's samples (the step's loss is the mean over
@@ -166,26 +165,21 @@ class BatchLayout:
         config's (a warning). On another world size the checkpoint's global batch is laid out
         again (:func:`relayout`), or the resume is refused unless
         ``allow_global_batch_change``."""
+        mb, ga = self.micro_batch, self.grad_accum
         if saved:
             self.changes = [dict(c) for c in saved.get("changes", ())]
+            mb, ga = int(saved["micro_batch"]), int(saved["grad_accum"])
         if saved_world != self.world_size:
-            mb, ga = ((int(saved["micro_batch"]), int(saved["grad_accum"])) if saved
-                      else (self.micro_batch, self.grad_accum))
             self.resume_on_other_world(mb, ga, saved_world)
-            return
-        if not saved:
-            return
-        mb, ga = int(saved["micro_batch"]), int(saved["grad_accum"])
-        if (mb, ga) == (self.micro_batch, self.grad_accum):
-            return
-        if mb * ga != self.micro_batch * self.grad_accum:
+        elif mb * ga != self.micro_batch * self.grad_accum:
             logger.warning("rank %d: checkpoint ran with micro_batch %d x grad_accum %d, this "
                            "config asks %d x %d (another global batch): keeping the config's",
                            self.rank, mb, ga, self.micro_batch, self.grad_accum)
-            return
-        logger.info("rank %d: resuming with the checkpoint's micro_batch %d and grad_accum %d "
-                    "(config: %d and %d)", self.rank, mb, ga, self.micro_batch, self.grad_accum)
-        self.replace(self.new_loader(mb), mb, ga)
+        elif (mb, ga) != (self.micro_batch, self.grad_accum):
+            logger.info("rank %d: resuming with the checkpoint's micro_batch %d and grad_accum "
+                        "%d (config: %d and %d)", self.rank, mb, ga, self.micro_batch,
+                        self.grad_accum)
+            self.replace(self.new_loader(mb), mb, ga)
 
     def resume_on_other_world(self, mb: int, ga: int, saved_world: int) -> None:
         global_batch = mb * ga * saved_world
@@ -226,9 +220,8 @@ class BatchLayout:
         return min([self.config.micro_batch, *shrunk])
 
     def _steps_per_epoch(self, loader: Any, grad_accum: int) -> int:
-        if self.config.epoch_tail == "drop":
-            return len(loader) // grad_accum
-        return -(-len(loader) // grad_accum)
+        n = len(loader)
+        return n // grad_accum if self.config.epoch_tail == "drop" else -(-n // grad_accum)
 
     def _total_steps(self) -> int:
         total = self.steps_per_epoch * self.config.epochs

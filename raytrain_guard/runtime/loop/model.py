@@ -10,9 +10,8 @@ from typing import Any
 import torch
 
 from raytrain_guard.errors import InputError
-from raytrain_guard.planner.buckets import recommend_bucket_cap
 from raytrain_guard.planner.memory_model import Strategy
-from raytrain_guard.runtime.dist.bandwidth import measure_allreduce_curve
+from raytrain_guard.runtime.dist.bandwidth import measure_allreduce_curve, plan_bucket_cap
 from raytrain_guard.runtime.dist.model import PlannedModel, wrap_model, wrap_optimizer
 from raytrain_guard.runtime.loop.config import LoopConfig, call_factory
 
@@ -60,11 +59,7 @@ def wrap(config: LoopConfig, model: Any, *, device: Any, world_rank: int,
     if cfg.measure_bandwidth and world_size > 1:
         curve = measure_allreduce_curve(device=device)
         logger.info("rank %d: %s", world_rank, curve.describe(cfg.guard.bandwidth_peak_frac))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    sizes = [p.numel() * p.element_size() for p in trainable]
-    bucket_plan = recommend_bucket_cap(
-        grad_bytes=sum(sizes), config=cfg.guard, param_bytes=sizes[::-1],
-        bandwidth_curve=curve.as_pairs() if curve is not None else None)
+    bucket_plan = plan_bucket_cap(model, cfg.guard, curve)
     cap = cfg.bucket_cap_mb if cfg.bucket_cap_mb is not None else bucket_plan.bucket_cap_mb
     if cfg.strategy in (Strategy.DDP, Strategy.ZERO1):
         logger.info("rank %d: %s%s", world_rank, bucket_plan.reason,

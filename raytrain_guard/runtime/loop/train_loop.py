@@ -34,7 +34,7 @@ from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import InputError
 from raytrain_guard.runtime.dist.checkpoint import gather_objects
 from raytrain_guard.runtime.guard.boundary import OTHER_RANK_STOP, StepBoundary
-from raytrain_guard.runtime.guard.comm_timers import attach_comm_timer, attach_fsdp_comm_timer
+from raytrain_guard.runtime.guard.comm_timers import attach_comm_timers
 from raytrain_guard.runtime.guard.cuda_card import CudaCard
 from raytrain_guard.runtime.guard.fail_open import FailOpen
 from raytrain_guard.runtime.guard.parts import memory_probe, rank_metrics, worker_device
@@ -69,9 +69,7 @@ def train_loop_per_worker(config: dict) -> dict[str, Any]:
 
 class GuardedTrainLoop:
     """One worker's guarded training run. ``reporter``: :class:`RayTrainReporter` inside Ray
-    Train (the default there), else a :class:`DirectoryReporter`. No method here calls
-    torch.distributed: the stop agreement is the control plane's round (one 16-byte CPU
-    all_reduce on a gloo side group every K steps, which the lockstep exchange rides on too)."""
+    Train (the default there), else a :class:`DirectoryReporter`."""
 
     def __init__(self, config: LoopConfig, *, reporter: Any = None, context: Any = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -127,16 +125,9 @@ class GuardedTrainLoop:
         self.guard = StepGuard(cfg.guard, timer=timer, world_rank=self.rank, act=cfg.act,
                                probe=probe or memory_probe(self.device, self.ctx, cfg.guard),
                                fault_injector=getattr(rehearsal, "marks", None))
-        try:
-            if planned.kind == "ddp":
-                attach_comm_timer(planned.module, timer,
-                                  hook=rehearsal.comm_hook() if rehearsal else None)
-            elif planned.kind == "fsdp2":
-                attach_fsdp_comm_timer(planned.module, timer, before_reduce_scatter=(
-                    rehearsal.delay_comm if rehearsal else None))
-        except Exception:
-            logger.warning("rank %d: communication timer not attached", self.rank,
-                           exc_info=True)
+        attach_comm_timers(planned.module, timer, world_rank=self.rank,
+                           hook=rehearsal.comm_hook() if rehearsal else None,
+                           before_reduce_scatter=rehearsal.delay_comm if rehearsal else None)
         self.metrics = rank_metrics(self.rank, cfg.guard)
         if self.metrics is not None:
             plan = self.layout.loader.plan

@@ -1,0 +1,187 @@
+"""A DataLoader a trainer built itself (Hugging Face's ``get_train_dataloader``, Lightning's
+``train_dataloader``), held to the host budget before its first iterator starts.
+
+The rule is the drop-in's: ``num_workers x prefetch_factor x batch bytes`` (a batch and its
+pinned copy) must fit ``host_prefetch_frac`` (5 %) of host RAM per GPU. Settings the user wrote
+are kept when they fit and lowered with a warning naming the rule and the figures when they
+do not (:func:`~raytrain_guard.runtime.dropin.loader.lower_to_budget`); ``num_workers=0``, both
+trainers' default, is sized by the planner's rule
+(:func:`~raytrain_guard.planner.dataloader_sizing.size_dataloader`). torch reads
+``num_workers`` and ``prefetch_factor`` when an iterator starts, so setting them on the loader
+before the epoch begins takes effect; a trainer that already iterates keeps its settings until
+its next epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain_guard.config import GuardConfig
+from raytrain_guard.errors import InputError
+from raytrain_guard.planner.batch_inspect import measure_dataset
+from raytrain_guard.planner.dataloader_sizing import host_budget_bytes, size_dataloader
+from raytrain_guard.runtime.dropin.loader import lower_to_budget
+from raytrain_guard.runtime.host_memory import host_memory
+from raytrain_guard.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoaderFit:
+    """What the guard set on a trainer's loader, and why."""
+
+    num_workers: int
+    prefetch_factor: int          # 0 without workers
+    batch_bytes: int
+    budget_bytes: int
+    reason: str
+    lowered: tuple[str, ...] = ()
+
+
+def fit_settings(*, num_workers: int, prefetch_factor: int | None, batch_bytes: int,
+                 host_memory_bytes: int, gpus_per_node: int, cpus_per_node: int,
+                 pin_memory: bool, config: GuardConfig) -> LoaderFit:
+    """The settings a trainer's loader runs with (pure; see the module rule). ``num_workers``
+    0: sized by the guard; otherwise kept, with ``prefetch_factor`` (None: torch's 2) lowered
+    first when over the budget."""
+    budget = host_budget_bytes(host_memory_bytes, gpus_per_node, config)
+    cost = batch_bytes * (2 if pin_memory else 1)
+    if num_workers == 0:
+        plan = size_dataloader(batch_bytes=batch_bytes, host_memory_bytes=host_memory_bytes,
+                               gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
+                               pin_memory=pin_memory, config=config)
+        return LoaderFit(plan.num_workers, plan.prefetch_factor, batch_bytes, budget,
+                         "num_workers 0 (the default) sized by the guard: " + plan.reason)
+    given = prefetch_factor or 2
+    workers, prefetch, warning = lower_to_budget(num_workers, given, cost, budget, config)
+    if warning is None:
+        return LoaderFit(workers, prefetch, batch_bytes, budget,
+                         f"num_workers {workers} and prefetch_factor {prefetch} as given: "
+                         f"{format_bytes(workers * prefetch * cost)} in flight within the host "
+                         f"budget of {format_bytes(budget)} (host_prefetch_frac "
+                         f"{config.host_prefetch_frac:.0%} of host RAM per GPU)")
+    return LoaderFit(workers, prefetch, batch_bytes, budget, warning, (warning,))
+
+
+class TrainerLoader:
+    """A trainer's torch DataLoader as the guard's summary and decisions see it: its settings,
+    the data wait the integration times (:meth:`record_step`), and a SET_PREFETCH decision
+    (:meth:`request_prefetch_factor`, from the loader's next iterator on)."""
+
+    def __init__(self, loader: Any, fit: LoaderFit, *, batch_size: int, world_size: int) -> None:
+        self._loader = loader
+        self.fit = fit
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.plan = fit                      # ``plan.num_workers`` / ``plan.prefetch_factor``
+        self._wait_s = 0.0
+        self._step_s = 0.0
+        self._batches = 0
+        self._requested: int | None = None
+
+    def record_step(self, wait_s: float, step_s: float) -> None:
+        """One step: ``wait_s`` of it waiting for its batches."""
+        self._wait_s += max(0.0, wait_s)
+        self._step_s += max(0.0, step_s)
+        self._batches += 1
+
+    def request_prefetch_factor(self, prefetch_factor: int | None) -> None:
+        """Cap the prefetch (never above the fit), from the loader's next iterator on."""
+        self._requested = prefetch_factor
+        if self.fit.num_workers and prefetch_factor is not None:
+            self._loader.prefetch_factor = max(1, min(int(prefetch_factor),
+                                                      self.fit.prefetch_factor))
+
+    def settings(self) -> dict[str, Any]:
+        loader = self._loader
+        workers = int(loader.num_workers)
+        return {"batch_size": self.batch_size, "num_workers": workers,
+                "prefetch_factor": loader.prefetch_factor if workers else None,
+                "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
+                "multiprocessing_context": None, "world_size": self.world_size,
+                "reason": self.fit.reason, "lowered": list(self.fit.lowered)}
+
+    def stats(self) -> dict[str, Any]:
+        frac = self._wait_s / self._step_s if self._step_s > 0 else 0.0
+        return {"data_wait_frac": frac, "data_wait_total_s": self._wait_s,
+                "batches": self._batches}
+
+
+def torch_loader(loader: Any) -> Any:
+    """The torch DataLoader inside a trainer's (accelerate keeps it as ``base_dataloader``)."""
+    from torch.utils.data import DataLoader
+
+    inner = getattr(loader, "base_dataloader", loader)
+    return inner if isinstance(inner, DataLoader) else None
+
+
+def fit_loader(loader: Any, *, batch_size: int, config: GuardConfig, world_rank: int,
+               world_size: int, gpus_per_node: int, pin_memory: bool = False) -> TrainerLoader | None:
+    """Measure a batch of ``loader`` (its first samples, collated by its own ``collate_fn``,
+    scaled to ``batch_size``), fit its settings (:func:`fit_settings`) and set them on it.
+    None when it is not a map-style torch DataLoader (an iterable one is left as it is)."""
+    from torch.utils.data import IterableDataset
+
+    inner = torch_loader(loader)
+    if inner is None or isinstance(inner.dataset, IterableDataset):
+        logger.info("rank %d: the trainer's loader is not a map-style torch DataLoader: its "
+                    "settings are left as they are", world_rank)
+        return None
+    k = max(1, min(config.loader_probe_samples, batch_size, len(inner.dataset)))
+    measured = measure_dataset(inner.dataset, num_samples=k, collate=inner.collate_fn,
+                               config=config, field="train_dataset", error=InputError,
+                               require_bytes=False)
+    batch_bytes = max(1, math.ceil(measured.batch_bytes * batch_size / k))
+    total, _ = host_memory()
+    fit = fit_settings(num_workers=int(inner.num_workers), prefetch_factor=inner.prefetch_factor,
+                       batch_bytes=batch_bytes, host_memory_bytes=total,
+                       gpus_per_node=gpus_per_node, cpus_per_node=_cpu_count(),
+                       pin_memory=pin_memory, config=config)
+    if fit.lowered:
+        logger.warning("rank %d: DataLoader %s", world_rank, fit.lowered[0])
+    else:
+        logger.info("rank %d: DataLoader %s", world_rank, fit.reason)
+    inner.num_workers = fit.num_workers
+    inner.prefetch_factor = fit.prefetch_factor or None
+    return TrainerLoader(inner, fit, batch_size=batch_size, world_size=world_size)
+
+
+class StepClock:
+    """The data wait of a trainer's steps: from the end of one step (:meth:`step_ended`) to
+    where the trainer starts the next with its batches fetched (:meth:`batches_here`); a pause
+    (a checkpoint, an evaluation) restarts it."""
+
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self._clock = clock
+        self._ended: float | None = None
+        self._began: float | None = None
+        self.wait_s = 0.0
+
+    def batches_here(self) -> None:
+        now = self._clock()
+        self._began = now
+        self.wait_s = now - self._ended if self._ended is not None else 0.0
+
+    def step_ended(self) -> float:
+        """The step's wall time (its data wait included); 0 when it never began."""
+        now = self._clock()
+        began = self._began
+        total = (now - began) + self.wait_s if began is not None else 0.0
+        self._ended, self._began = now, None
+        return total
+
+    def paused(self) -> None:
+        self._ended = self._clock()
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1

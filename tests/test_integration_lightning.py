@@ -1,0 +1,191 @@
+"""The Lightning integration: a real ``lightning.pytorch.Trainer`` with Ray's
+``RayDDPStrategy``, ``RayLightningEnvironment``, ``prepare_trainer`` and
+``RayTrainReportCallback`` and the guard's ``GuardCallback``, in
+``raytrain_guard.train.TorchTrainer`` on 2 gloo workers.
+
+One stopped run and its resume:
+
+* rank 1 is 3x slower in forward (a forward hook of this test): named the compute straggler;
+* a stop requested from the driver sets ``trainer.should_stop`` on both ranks at the same
+  agreement step; Ray's callback reports the checkpoint of that step;
+* the run resumed with ``ckpt_path`` continues from that step to the end, and the two runs
+  together train every sample of each epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("lightning")
+
+from examples import lightning_trainer
+from examples.lightning_trainer import Regressor, build_trainer, fit, make_loader
+from raytrain_guard.config import GuardConfig
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+RAY_NAMESPACE = "rtg_test_lightning"
+RAY_NUM_CPUS = 4
+SAMPLES, BATCH, WORKERS, EPOCHS = 10240, 128, 2, 2
+STEPS_PER_EPOCH = SAMPLES // (BATCH * WORKERS)        # 40
+
+BLOCKED = r"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "lightning":
+            raise ImportError(f"No module named {name!r}")
+        return None
+sys.meta_path.insert(0, Block())
+try:
+    import raytrain_guard.integrations.lightning
+except ImportError as exc:
+    print(type(exc).__name__, "|", exc)
+"""
+
+
+def test_missing_lightning_is_one_line_naming_the_extra():
+    out = subprocess.run([sys.executable, "-c", BLOCKED], check=False, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("MissingExtra | "), lines
+    assert "pip install 'raytrain-guard[lightning]'" in lines[0]
+
+
+def slowed_train_func(config):
+    """examples/lightning_trainer.py's Trainer; this test's hooks record the sample ids each
+    rank trains on, and make rank 1's forward 3x as long."""
+    import lightning.pytorch as pl
+    import ray.train
+
+    from raytrain_guard.train import get_guard
+
+    rank = ray.train.get_context().get_world_rank()
+    seen: list[int] = []
+    started: dict[str, float] = {}
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.extend(batch["id"].tolist())
+
+    def start(module, args):
+        started["t"] = time.perf_counter()
+
+    def slow(module, args, output):
+        time.sleep(2 * (time.perf_counter() - started["t"]))
+
+    trainer = build_trainer(config)
+    trainer.callbacks.append(Record())
+    model = Regressor(config["hidden"])
+    if rank == 1 and config["slow"]:
+        model.net.register_forward_pre_hook(start)
+        model.net.register_forward_hook(slow)
+    try:
+        fit(trainer, model, make_loader(config))
+    finally:
+        path = os.path.join(config["record_dir"], f"{config['attempt']}-{rank}.json")
+        with open(path, "w") as f:
+            json.dump({"ids": seen, "global_step": trainer.global_step,
+                       "stopped_at": get_guard().stopped_at}, f)
+
+
+class StopWhenTraining(threading.Thread):
+    """Asks the run to stop once the coordinator has seen 10 steps."""
+
+    def __init__(self, trainer) -> None:
+        super().__init__(daemon=True)
+        self.trainer, self.asked_at, self.error = trainer, None, None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from raytrain_guard.coordination.client import coordinator_name
+        try:
+            while not self.done.is_set():
+                time.sleep(0.5)
+                try:
+                    handle = ray.get_actor(coordinator_name(self.trainer.run_id),
+                                           namespace=RAY_NAMESPACE)
+                    step = ray.get(handle.status.remote(), timeout=10).get("latest_step") or 0
+                except ValueError:
+                    continue
+                if step >= 10:
+                    self.asked_at = step
+                    self.trainer.request_stop("the test asks")
+                    return
+        except Exception as exc:  # noqa: BLE001 - surfaced by the test
+            self.error = exc
+
+
+def _trainer(config, storage):
+    from ray.train import RunConfig, ScalingConfig
+
+    from raytrain_guard.train import TorchTrainer
+    return TorchTrainer(slowed_train_func, train_loop_config=config,
+                        scaling_config=ScalingConfig(num_workers=WORKERS),
+                        run_config=RunConfig(name="lightning_guarded", storage_path=storage),
+                        guard={"namespace": RAY_NAMESPACE, "decision_interval_s": 1e9})
+
+
+def test_lightning_is_guarded_stopped_and_resumed(ray_instance):
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(lightning_trainer)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    storage = tempfile.mkdtemp(prefix="rtg-lightning-test-")
+    records = os.path.join(storage, "records")
+    os.makedirs(records)
+    # compute grows with the batch, the allreduce with the parameters: a 3x forward shows
+    config = {"max_epochs": EPOCHS, "batch_size": BATCH, "samples": SAMPLES, "hidden": 1024,
+              "record_dir": records}
+
+    start = time.perf_counter()
+    trainer = _trainer({**config, "attempt": 1, "slow": True}, storage)
+    stopper = StopWhenTraining(trainer)
+    stopper.start()
+    try:
+        first = trainer.fit()
+    finally:
+        stopper.done.set()
+        stopper.join(timeout=30)
+    print(first.guard.format(), f"\nfirst run {time.perf_counter() - start:.1f} s")
+    assert stopper.error is None and first.error is None, (stopper.error, first.error)
+
+    report = first.guard
+    ranks = {r["world_rank"]: r for r in report.ranks}
+    stopped = {r: s["stopped_at"] for r, s in ranks.items()}
+    k = GuardConfig().lockstep_every_steps
+    assert stopped[0] == stopped[1] and stopped[0] % k == 0, stopped
+    assert stopper.asked_at < stopped[0] < EPOCHS * STEPS_PER_EPOCH, (stopper.asked_at, stopped)
+    run1 = [_read(os.path.join(records, f"1-{r}.json")) for r in range(WORKERS)]
+    assert [r["global_step"] for r in run1] == [stopped[0]] * WORKERS
+    assert first.checkpoint is not None
+    assert first.metrics["step"] == stopped[0]          # Ray's callback: the stopped step
+
+    roles = {a["world_rank"]: a for a in report.attribution}
+    assert roles[1]["role"] == "straggler_compute", roles
+    assert roles[0]["role"] != "straggler_compute", roles
+
+    second = _trainer({**config, "attempt": 2, "slow": False}, storage).fit()
+    print(f"both runs {time.perf_counter() - start:.1f} s")
+    assert second.error is None, second.error
+    run2 = [_read(os.path.join(records, f"2-{r}.json")) for r in range(WORKERS)]
+    assert [r["global_step"] for r in run2] == [EPOCHS * STEPS_PER_EPOCH] * WORKERS, \
+        (stopped, [r["global_step"] for r in run2], [len(r["ids"]) for r in run1 + run2])
+    trained = sorted(i for run in (run1, run2) for r in run for i in r["ids"])
+    print("trained", len(trained), "of", EPOCHS * SAMPLES)
+    assert trained == sorted(list(range(SAMPLES)) * EPOCHS)   # each sample once per epoch
+
+
+def _read(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
