@@ -150,7 +150,6 @@ def test_the_conversion_is_the_imports_the_optimizer_and_the_stop_lines():
 
 @pytest.fixture(scope="module")
 def ray_with_dashboard():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")    # auth is not what this test is about
     context = ray.init(address="local", namespace=NS, num_cpus=4, include_dashboard=True,
                        logging_level="warning", log_to_driver=False)
     try:
