@@ -43,11 +43,14 @@ def _run(tmp_path, name, *, act=True, card=BUILT_IN_DEVICE_MEMORY_BYTES, faults=
 
 def test_observing_the_spike_overflows_the_simulated_card_inside_the_step(tmp_path):
     loop, run = _run(tmp_path, "observe", act=False)
-    with pytest.raises(torch.OutOfMemoryError, match="simulated card of rank 0"):
+    with pytest.raises(torch.OutOfMemoryError, match="simulated card of rank 0") as raised:
         run()
     assert loop.steps.step == 6                             # the spike's first step
     trace = [json.loads(line) for line in open(tmp_path / "observe/trace/rank0.jsonl")]
     assert trace[-1]["t"] == "error" and trace[-1]["error"] == "OutOfMemoryError"
+    # what the card would have held had the allocation fitted: past its capacity
+    assert trace[-1]["capacity_bytes"] == BUILT_IN_DEVICE_MEMORY_BYTES
+    assert trace[-1]["needed_bytes"] == raised.value.needed_bytes > BUILT_IN_DEVICE_MEMORY_BYTES
     split = [d for d in trace if d.get("action") == "split_micro_batch"]
     assert split and not split[0]["applied"]                # priced, not acted on
 
@@ -86,8 +89,10 @@ def test_the_card_counts_saved_activations_and_held_memory_and_raises_past_it():
     assert device.last_activation_bytes == 2 * 16 * 64 * 4
     assert device.take_step_peak() == static + 2 * 16 * 64 * 4
     device.hold(512 * 1024, reason="test")
-    with pytest.raises(torch.OutOfMemoryError, match="fault memory 512.0 KiB"):
+    with pytest.raises(torch.OutOfMemoryError, match="fault memory 512.0 KiB") as raised:
         device.hold(512 * 1024, reason="test")
+    # it asked for what it holds (static and 512 KiB) and 512 KiB more, of a 1 MiB card
+    assert (raised.value.needed_bytes, raised.value.capacity_bytes) == (static + MiB, MiB)
 
 
 def test_lengthen_repeats_the_sequence_dimension_only():

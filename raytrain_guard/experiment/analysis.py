@@ -210,6 +210,7 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
         "error": None if completed else (_error_line(errors) or launch_error),
         "attempt_errors": [_error_line([e]) for e in _first_error_per_attempt(errors)],
         "attempts": len(starts),
+        "attempt_spans": _attempt_spans(starts, errors),
         "steps": steps_done, "total_steps": total_steps,
         "lost_steps": lost_steps(audit0) if audit.audited else None,
         **audit.to_dict(),
@@ -291,6 +292,25 @@ def _error_line(errors: Sequence[Mapping[str, Any]]) -> str | None:
     first = _first_error_per_attempt(errors)[-1]
     rank = first.get("_rank", first.get("world_rank", "?"))
     return f"{first.get('error')} on rank {rank} at step {first.get('step')}"
+
+
+def _attempt_spans(starts: Sequence[Mapping[str, Any]], errors: Sequence[Mapping[str, Any]]
+                   ) -> list[dict[str, Any]]:
+    """Per attempt of rank 0, in the order they started: the step it started from
+    (``start_step``, its checkpoint's) and, where it failed, the error that made it fail
+    (:func:`_first_error_per_attempt`): its short name, rank and step (the step that raised:
+    the steps finished before it) and, for an out-of-memory error that recorded them, the
+    fraction of the card the failed allocation would have filled (``needed_frac``)."""
+    causes = {e.get("_try", -1): e for e in _first_error_per_attempt(errors)}
+    out = []
+    for i, s in enumerate(sorted(starts, key=lambda r: r["wall"])):
+        e = causes.get(i)
+        needed, capacity = (e or {}).get("needed_bytes"), (e or {}).get("capacity_bytes")
+        out.append({"attempt": i, "start_step": int(s.get("resumed_from") or 0),
+                    "error": e and e.get("error"), "error_rank": e and e.get("_rank"),
+                    "error_step": e and e.get("step"),
+                    "needed_frac": round(needed / capacity, 4) if needed and capacity else None})
+    return out
 
 
 #: errors a rank raises because another rank failed first

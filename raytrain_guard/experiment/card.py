@@ -100,13 +100,16 @@ class SimulatedDevice:
     def _check(self, num_bytes: int, what: str) -> None:
         used = self.base_bytes + self.activation_bytes
         if used + num_bytes > self.capacity_bytes:
-            raise torch.OutOfMemoryError(
+            error = torch.OutOfMemoryError(
                 f"simulated card of rank {self.world_rank} is out of memory: tried to allocate "
                 f"{format_bytes(num_bytes)} ({what}) with {format_bytes(used)} of "
                 f"{format_bytes(self.capacity_bytes)} in use (parameters, gradients and "
                 f"optimizer state {format_bytes(self.static_bytes)}, fault memory "
                 f"{format_bytes(self.held_bytes)}, activations "
                 f"{format_bytes(self.activation_bytes)})")
+            # what the card would have held had it fitted: the trace's error record keeps it
+            error.needed_bytes, error.capacity_bytes = used + num_bytes, self.capacity_bytes
+            raise error
 
     def _note_peak(self, used: int) -> None:
         self.step_peak_bytes = max(self.step_peak_bytes, used)

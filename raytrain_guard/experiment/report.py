@@ -133,52 +133,180 @@ def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[s
     return path, plots
 
 
+#: one colour per rank (tab10 without its grey), the same rank alike in every arm and panel;
+#: thresholds, crashes, restarts and decisions are drawn in black and grey, which no rank uses
+RANK_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+                "tab:pink", "tab:olive", "tab:cyan")
+#: the faults' windows, pale so the lines over them stay readable
+FAULT_COLOURS = ("#f6d7a7", "#c9e4f0", "#d9c8e6", "#cfe8c4")
+ARM_LINESTYLES = {"observe": "--", "act": "-"}
+
+
+def rank_colour(rank: int) -> str:
+    return RANK_COLOURS[rank % len(RANK_COLOURS)]
+
+
 def plot_timeline(out_dir: str, arms: Mapping[str, Mapping[str, Any]], setup: Any) -> str:
-    """Step time, memory fraction and data wait per rank over steps, both arms on shared
-    axes; decisions (triangles) and detections (crosses) on the step-time panel."""
-    import matplotlib
-    matplotlib.use("Agg")
+    """``timeline.png`` in ``out_dir`` (:func:`timeline_figure` of the arms' traces there)."""
     import matplotlib.pyplot as plt
 
-    guard = setup.guard_config()
-    fig, (ax_t, ax_m, ax_d) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
-    styles = {"observe": "--", "act": "-"}
-    for arm in arms:
-        traces = analysis.read_ranks(os.path.join(out_dir, arm, "trace"))
-        for rank, records in sorted(traces.items()):
-            steps = sorted(((r["step"], r) for r in records if r.get("t") == "step"),
-                           key=lambda sr: sr[0])
-            if not steps:
-                continue
-            xs = [s for s, _ in steps]
-            style = {"linestyle": styles.get(arm, "-"), "linewidth": 1,
-                     "label": f"{arm} rank {rank}"}
-            ax_t.plot(xs, [r["total_s"] * 1000 for _, r in steps], **style)
-            ax_m.plot(xs, [r["memory_frac"] if r.get("memory_frac") is not None else float("nan")
-                           for _, r in steps], **style)
-            ax_d.plot(xs, [r["data_wait_s"] * 1000 for _, r in steps], **style)
-        top = ax_t.get_ylim()[1] if ax_t.lines else 1.0
-        for d in arms[arm]["decisions"]:
-            if d["applied"] and d["step"] is not None:
-                ax_t.plot([d["step"]], [top * 0.95], marker="v", color="tab:green",
-                          linestyle="none")
-        for d in arms[arm]["detections"]:
-            if d.get("step") is not None:
-                ax_t.plot([d["step"]], [top * 0.9], marker="x", color="tab:red",
-                          linestyle="none")
-    ax_m.axhline(guard.memory_watermark_frac, color="tab:orange", linewidth=0.8,
-                 label="watermark")
-    ax_m.axhline(guard.memory_critical_frac, color="tab:red", linewidth=0.8, label="critical")
-    ax_t.set_ylabel("step time (ms)")
-    ax_t.set_title("step time per rank (v decision applied, x detection)")
-    ax_m.set_ylabel("memory fraction")
-    ax_d.set_ylabel("data wait (ms)")
-    ax_d.set_xlabel("step")
-    for ax in (ax_t, ax_m, ax_d):
-        ax.grid(alpha=0.3)
-    ax_m.legend(fontsize=7, ncol=3, loc="upper left")
-    fig.tight_layout()
+    traces = {arm: analysis.read_ranks(os.path.join(out_dir, arm, "trace")) for arm in arms}
+    fig = timeline_figure(traces, arms, setup.faults, setup.guard_config())
     path = os.path.join(out_dir, "timeline.png")
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def timeline_figure(traces: Mapping[str, Mapping[int, Sequence[Mapping[str, Any]]]],
+                    arms: Mapping[str, Mapping[str, Any]], faults: Sequence[Any],
+                    guard: Any) -> Any:
+    """Step time, memory fraction and data wait per rank over steps (``traces``: {arm: {rank:
+    trace records}}), a colour per rank (:data:`RANK_COLOURS`) and a line style per arm, each
+    attempt its own line. On every panel: each fault's window shaded and named, each crash (a
+    solid black line; the step-time panel names the error) and restart (dash-dotted, from the
+    step it resumed at). The memory panel: the watermark, critical and full-card lines (grey
+    and black dashes, labelled) and, where a step ran out of memory, the fraction of the card
+    it asked for (a star above 1.0). Decisions applied (black triangles) and detections (crosses
+    in the colour of the rank named) on the step-time panel. Returns the matplotlib Figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m, ax_d) = plt.subplots(3, 1, figsize=(13, 10), sharex=True)
+    panels = (ax_t, ax_m, ax_d)
+    for arm, ranks in traces.items():
+        for rank, records in sorted(ranks.items()):
+            _plot_rank(panels, arm, rank, records)
+    last = max([int(a.get("total_steps") or 0) for a in arms.values()]
+               + [int(r["step"]) + 1 for ranks in traces.values() for records in ranks.values()
+                  for r in records if r.get("t") == "step"] + [1])
+    ax_t.set_xlim(0, last)                 # shared by the three panels
+    _shade_faults(panels, faults, last)
+    _draw_thresholds(ax_m, guard)
+    top = ax_t.get_ylim()[1] if ax_t.lines else 1.0
+    for arm, result in arms.items():
+        for d in result["decisions"]:
+            if d["applied"] and d["step"] is not None:
+                ax_t.plot([d["step"]], [top * 0.97], marker="v", color="black",
+                          linestyle="none")
+        for d in result["detections"]:
+            if d.get("step") is not None:
+                colour = rank_colour(d["rank"]) if isinstance(d.get("rank"), int) else "black"
+                ax_t.plot([d["step"]], [top * 0.92], marker="x", color=colour,
+                          linestyle="none")
+    _mark_attempts(panels, arms)
+    ax_t.set_ylim(top=top)
+    ax_t.set_ylabel("step time (ms)")
+    ax_t.set_title("step time per rank (v decision applied, x detection; shaded: faults; "
+                   "black lines: crashes, dash-dotted: restarts)", fontsize=10, pad=16)
+    ax_m.set_ylabel("memory fraction of the card")
+    ax_d.set_ylabel("data wait (ms)")
+    ax_d.set_xlabel("step")
+    for ax in panels:
+        ax.grid(alpha=0.3)
+    for ax in (ax_t, ax_m):
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_rank(panels: Sequence[Any], arm: str, rank: int,
+               records: Sequence[Mapping[str, Any]]) -> None:
+    """One rank's step time, memory fraction and data wait, one line per attempt."""
+    ax_t, ax_m, ax_d = panels
+    by_attempt: dict[Any, list[Mapping[str, Any]]] = {}
+    for r in records:
+        if r.get("t") == "step":
+            by_attempt.setdefault(r.get("attempt"), []).append(r)
+    for i, steps in enumerate(by_attempt.values()):
+        steps = sorted(steps, key=lambda r: r["step"])
+        xs = [r["step"] for r in steps]
+        style = {"linestyle": ARM_LINESTYLES.get(arm, "-"), "linewidth": 1,
+                 "color": rank_colour(rank)}
+        ax_t.plot(xs, [r["total_s"] * 1000 for r in steps], **style,
+                  label=f"{arm} rank {rank}" if i == 0 else None)
+        ax_m.plot(xs, [r["memory_frac"] if r.get("memory_frac") is not None else float("nan")
+                       for r in steps], **style)
+        ax_d.plot(xs, [(r.get("data_wait_s") or 0.0) * 1000 for r in steps], **style)
+
+
+def _shade_faults(panels: Sequence[Any], faults: Sequence[Any], last_step: int) -> None:
+    """Each fault's steps, ``start`` to its last step (:func:`analysis.fault_last_step`; to
+    ``last_step`` for a fault without end), shaded on every panel and named on the first."""
+    for i, f in enumerate(faults):
+        end = analysis.fault_last_step(f)
+        stop = last_step if end is None else end + 1
+        label = f"{f.kind} rank {'+'.join(map(str, f.ranks))}"
+        for ax in panels:
+            ax.axvspan(f.start, stop, color=FAULT_COLOURS[i % len(FAULT_COLOURS)], alpha=0.6,
+                       linewidth=0, zorder=0, label=label if ax is panels[0] else None)
+        panels[0].annotate(label, xy=(f.start, 1.0), xycoords=("data", "axes fraction"),
+                           xytext=(2, 2), textcoords="offset points", fontsize=8,
+                           va="bottom", ha="left", weight="bold")
+
+
+def _draw_thresholds(ax_m: Any, guard: Any) -> None:
+    """The guard's memory watermark (grey dashes), its critical line and the full card (black
+    dots), each labelled at the panel's left edge (and in its legend)."""
+    for frac, name, colour, style in (
+            (guard.memory_watermark_frac, "watermark", "dimgray", "--"),
+            (guard.memory_critical_frac, "critical", "black", "--"),
+            (1.0, "card full", "black", ":")):
+        ax_m.axhline(frac, color=colour, linestyle=style, linewidth=1,
+                     label=f"{name} {frac:.0%}")
+        below = name == "watermark"       # apart from the critical line just above it
+        ax_m.annotate(f"{name} {frac:.0%}", xy=(0.0, frac), xycoords=("axes fraction", "data"),
+                      xytext=(3, -2 if below else 2), textcoords="offset points", fontsize=7,
+                      va="top" if below else "bottom", color=colour)
+
+
+def _mark_attempts(panels: Sequence[Any], arms: Mapping[str, Mapping[str, Any]]) -> None:
+    """Each arm's crashes (a black line at the step that raised, the error's name on the
+    step-time panel; for an out-of-memory error what the step asked for, a star on the memory
+    panel) and restarts (a dash-dotted line at the step the attempt resumed from). Attempts
+    that crashed or resumed alike share one note ("attempts 2, 3")."""
+    ax_t, ax_m, _ = panels
+    notes: dict[tuple[Any, ...], list[int]] = {}
+    starred = set()
+    for arm, result in arms.items():
+        for span in result.get("attempt_spans", ()):
+            number = span["attempt"] + 1
+            if span["attempt"] > 0:
+                notes.setdefault(("restart", arm, span["start_step"]), []).append(number)
+            if span["error"] is not None and span["error_step"] is not None:
+                notes.setdefault(("crash", arm, span["error_step"], span["error"],
+                                  span["error_rank"]), []).append(number)
+                star = (arm, span["error_step"], span["error_rank"], span.get("needed_frac"))
+                if star[-1] is not None and star not in starred:
+                    starred.add(star)
+                    _mark_needed(ax_m, arm, span)
+    right = ax_t.get_xlim()[1]
+    for row, (key, numbers) in enumerate(notes.items()):
+        kind, arm, step = key[:3]
+        for ax in panels:
+            ax.axvline(step, color="black", linewidth=1.2 if kind == "crash" else 1,
+                       linestyle="-" if kind == "crash" else "-.")
+        which = f"attempt{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))}"
+        text = (f"{arm} {which}: {key[3]} on rank {key[4]} at step {step}" if kind == "crash"
+                else f"{arm} {which} resumed from step {step}")
+        left = step > right / 2         # the note on the side with room for it
+        ax_t.annotate(text, xy=(step, 0.84 - 0.08 * (row % 10)),
+                      xycoords=("data", "axes fraction"), xytext=(-3 if left else 3, 0),
+                      textcoords="offset points", fontsize=7, va="center",
+                      ha="right" if left else "left",
+                      bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
+                            "alpha": 0.85})
+
+
+def _mark_needed(ax_m: Any, arm: str, span: Mapping[str, Any]) -> None:
+    """A star at the fraction of the card the step that ran out of memory asked for."""
+    rank, frac = span["error_rank"], span["needed_frac"]
+    ax_m.plot([span["error_step"]], [frac], marker="*", markersize=14, linestyle="none",
+              markeredgecolor="black",
+              color=rank_colour(rank) if isinstance(rank, int) else "black",
+              label=f"{arm} rank {rank}: asked for (out of memory)")
+    ax_m.annotate(f"{arm} rank {rank} asked for {frac:.0%} of the card",
+                  xy=(span["error_step"], frac), xytext=(8, 0), textcoords="offset points",
+                  fontsize=7, va="center")
+    ax_m.set_ylim(top=max(ax_m.get_ylim()[1], frac * 1.08))

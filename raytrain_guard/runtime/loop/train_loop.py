@@ -209,7 +209,8 @@ class GuardedTrainLoop:
             return self.results
         except BaseException as exc:
             recorder.event("error", error=type(exc).__name__, message=str(exc)[:400],
-                           step=self.steps.step if self.steps is not None else 0)
+                           step=self.steps.step if self.steps is not None else 0,
+                           **_memory_asked(exc))
             raise
         finally:
             recorder.close()
@@ -294,3 +295,11 @@ def _seed_everything(seed: int) -> None:
         numpy.random.seed(seed % 2**32)
     except ImportError:  # pragma: no cover
         pass
+
+
+def _memory_asked(exc: BaseException) -> dict[str, int]:
+    """An out-of-memory error's ``needed_bytes`` (what the card would have held had the
+    allocation fitted) and ``capacity_bytes``, where it carries them (the simulated card's
+    does); else nothing."""
+    return {k: v for k in ("needed_bytes", "capacity_bytes")
+            if isinstance(v := getattr(exc, k, None), int)}
