@@ -32,11 +32,15 @@ def add_experiment_command(subparsers) -> None:
                     "Writes report.md and timeline.png to --out. Exit 0 when every arm ran "
                     "(whatever it did), 2 bad input, 1 when the experiment could not run.")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
-                   help="KIND:key=value,... e.g. slow_compute:rank=1,start=25,factor=2.5; kinds: "
+                   help="KIND:key=value,... e.g. slow_compute:rank=1,start=25,factor=2.5 (or "
+                        "node=K instead of rank: every rank of node K); kinds: "
                         "comm_delay, slow_compute, slow_data, memory_growth, activation_spike, "
                         "host_memory, crash, hang (repeat the flag for several)")
     p.add_argument("--arms", default="observe,act", help="arms to run, in order")
     p.add_argument("--workers", type=int, default=2, help="training workers")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="Ray nodes to start on this machine, each with its own node id, "
+                        "monitor and CPUs; the workers spread over them (faults take node=K)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, default=None, help="epochs (default 1)")
     length.add_argument("--steps", type=int, default=None, help="steps (instead of epochs)")
@@ -70,7 +74,9 @@ def add_experiment_command(subparsers) -> None:
 def experiment_setup(args: argparse.Namespace) -> Any:
     """The :class:`ExperimentSetup` of the command line; InputError for bad input."""
     workers = positive_int(args.workers, "--workers")
-    parsed = tuple(faults.parse_fault(spec, world_size=workers) for spec in args.fault)
+    nodes = positive_int(args.nodes, "--nodes")
+    parsed = tuple(faults.parse_fault(spec, world_size=workers, num_nodes=nodes)
+                   for spec in args.fault)
     given = {name: getattr(args, flag[2:]) for flag, name in _FACTORY_FLAGS
              if getattr(args, flag[2:]) is not None}
     if given and len(given) != len(_FACTORY_FLAGS):
@@ -86,7 +92,7 @@ def experiment_setup(args: argparse.Namespace) -> Any:
                          fix="e.g. --collective-timeout 120")
     return runner.ExperimentSetup(
         faults=parsed, arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
-        num_workers=workers,
+        num_workers=workers, nodes=nodes,
         epochs=positive_int(args.epochs, "--epochs") if args.epochs is not None else 1,
         max_steps=positive_int(args.steps, "--steps") if args.steps is not None else None,
         seed=args.seed, strategy=args.strategy,

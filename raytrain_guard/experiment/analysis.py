@@ -125,20 +125,28 @@ def match_detections(faults: Sequence[FaultSpec], detections: Sequence[Mapping[s
 def fault_outcomes(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str, Any]], *,
                    lateness: Lateness = Lateness()) -> list[dict[str, Any]]:
     """Per fault with a cause: the first detection of that cause that can name it, and whether it
-    came within :data:`DETECTION_DELAY_TARGET_STEPS` of its start."""
+    came within :data:`DETECTION_DELAY_TARGET_STEPS` of its start. A fault on a node (its
+    ranks named, :meth:`FaultSpec.on_ranks`) is named only by a detection of that node as a
+    node (``target`` ``"node"``, its ``node_index``), not by its ranks one by one."""
     out = []
     for f in faults:
         if f.cause is None:
             continue
         hits = sorted((d for d in detections if d.get("cause") == f.cause
                        and can_name(f, d.get("rank"), d.get("step"),
-                                    late_steps=lateness.of(d))),
+                                    late_steps=lateness.of(d))
+                       and (f.node is None or (d.get("target") == "node"
+                                               and d.get("node_index") == f.node))),
                       key=lambda d: d["step"])
         first = hits[0] if hits else None
         delay = first["step"] - f.start if first else None
-        out.append({"fault": str(f), "cause": f.cause, "named_at_step": first and first["step"],
-                    "delay_steps": delay,
-                    "in_time": delay is not None and delay <= DETECTION_DELAY_TARGET_STEPS})
+        outcome = {"fault": str(f), "cause": f.cause, "named_at_step": first and first["step"],
+                   "delay_steps": delay,
+                   "in_time": delay is not None and delay <= DETECTION_DELAY_TARGET_STEPS}
+        if f.node is not None:
+            outcome.update(node_index=f.node, ranks=list(f.ranks),
+                           node_id=first.get("node_id") if first else None)
+        out.append(outcome)
     return out
 
 
@@ -152,10 +160,41 @@ def detections_of(decisions: Sequence[Mapping[str, Any]], hangs: Sequence[Mappin
                    "reason": d.get("reason")}
                   for d in decisions if d.get("action") == "slow_step"]
     detections += [{"kind": "straggler", "rank": r, "cause": d.get("cause"), "step": _dated(d),
-                    "source": "cluster", "reason": d.get("reason")}
+                    "source": "cluster", "reason": d.get("reason"),
+                    "target": d.get("params", {}).get("target"),
+                    "node_id": d.get("params", {}).get("node_id")}
                    for d in _merged(decisions) if d.get("action") == "flag_straggler"
                    for r in d.get("params", {}).get("world_ranks", ())]
     return detections + _hang_detections(hangs, starts)
+
+
+def node_ranks(traces: Mapping[int, Sequence[Mapping[str, Any]]], node_ids: Sequence[str]
+               ) -> list[dict[str, Any]]:
+    """Per node of the experiment (its place in ``node_ids``), the ranks that ran there in any
+    attempt (their ``start`` records' ``node_id``)."""
+    ranks: dict[str, set[int]] = defaultdict(set)
+    for rank, records in traces.items():
+        for r in records:
+            if r.get("t") == "start" and r.get("node_id"):
+                ranks[r["node_id"]].add(rank)
+    return [{"node_index": i, "node_id": n, "ranks": sorted(ranks.get(n, ()))}
+            for i, n in enumerate(node_ids)]
+
+
+def on_nodes(faults: Sequence[FaultSpec], nodes: Sequence[Mapping[str, Any]]
+             ) -> list[FaultSpec]:
+    """``faults`` with each node fault's ranks named: those of :func:`node_ranks` there."""
+    ranks = {n["node_index"]: n["ranks"] for n in nodes}
+    return [f.on_ranks(ranks.get(f.node, ())) if f.node is not None else f for f in faults]
+
+
+def _with_node_index(detections: Sequence[dict[str, Any]], node_ids: Sequence[str]
+                     ) -> list[dict[str, Any]]:
+    """Each detection that names a Ray node with its place in the experiment (``node_index``;
+    None for a node outside ``node_ids``)."""
+    index = {n: i for i, n in enumerate(node_ids)}
+    return [{**d, "node_index": index.get(d["node_id"])} if d.get("node_id") else d
+            for d in detections]
 
 
 def _dated(decision: Mapping[str, Any]) -> int | None:
@@ -166,10 +205,11 @@ def _dated(decision: Mapping[str, Any]) -> int | None:
 def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int | None,
                 launch_error: str | None, wall_s: float, num_workers: int | None = None,
                 epoch_order: Callable[[int], Sequence[Any]] | None = None,
-                lateness: Lateness = Lateness()) -> dict[str, Any]:
+                lateness: Lateness = Lateness(), node_ids: Sequence[str] = ()) -> dict[str, Any]:
     """The ARM object of the experiment's report. A rank below ``num_workers`` without a trace
     raises :class:`ArmTracesError` naming the folder read. ``epoch_order``: the sampler's order
-    of an epoch's ids, for the exact audit (:func:`~raytrain_guard.experiment.audit.audit_arm`)."""
+    of an epoch's ids, for the exact audit (:func:`~raytrain_guard.experiment.audit.audit_arm`).
+    ``node_ids``: the experiment's Ray nodes, node 0 first (node faults and ``nodes``)."""
     trace_dir = os.path.join(arm_dir, "trace")
     traces = {r: records for r, records in read_ranks(trace_dir).items() if records}
     _check_traces(traces, trace_dir, num_workers, launch_error)
@@ -199,7 +239,9 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     totals = [r["total_s"] for r in steps]
     in_fault = [r for r in steps if any(f.active(r["step"]) for f in faults)]
     fracs = [r["memory_frac"] for r in steps if r.get("memory_frac") is not None]
-    detections = detections_of(decisions, hangs, starts)
+    detections = _with_node_index(detections_of(decisions, hangs, starts), node_ids)
+    nodes = node_ranks(traces, node_ids)
+    faults = on_nodes(faults, nodes)
     completed = bool(ends) and launch_error is None
     train_wall = (ends[-1]["wall"] - starts[0]["wall"]) if ends and starts else None
     # rank 0's steps alone: start-up, checkpoints and restarts left out (the steps' own pace)
@@ -231,6 +273,7 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
         "fault_detection": fault_outcomes(faults, detections, lateness=lateness),
         "decisions": [_decision(d) for d in _merged(decisions)
                       if d.get("action") not in DETECTION_ACTIONS],
+        "nodes": nodes,
     }
 
 

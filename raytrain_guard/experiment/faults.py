@@ -2,14 +2,17 @@
 
 A spec is written ``KIND:key=value,...`` (``slow_compute:rank=1,start=25,factor=2.5``). Every
 kind takes ``rank`` (or ``ranks=0+1``), ``start`` (the step it begins at) and an optional
-``stop`` (the first step without it). What each kind rehearses and where it is injected:
+``stop`` (the first step without it). ``slow_compute``, ``comm_delay`` and ``host_memory`` take
+``node=K`` instead of ranks: every rank placed on the experiment's node K (0..nodes-1, in the
+order the driver started them), known only once the ranks run. What each kind rehearses and where it is injected:
 docs/experiment.md ("Faults"). ``crash`` and ``hang`` are transient, as a lost node or a wedged
 driver is: they fire once per run, so a restarted group trains on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +30,7 @@ class FaultKind:
     example: str
     cause: str | None = None
     once: bool = False
+    by_node: bool = False       # takes ``node=K``: every rank of node K
 
 
 def _above(bound: float) -> Callable[[str], float]:
@@ -44,38 +48,47 @@ def _positive_int(text: str) -> int:
 
 KINDS: Mapping[str, FaultKind] = {
     "comm_delay": FaultKind({"seconds": (_above(0), None)},
-                            "comm_delay:rank=1,start=20,seconds=0.02", "communication"),
+                            "comm_delay:rank=1,start=20,seconds=0.02", "communication", by_node=True),
     "slow_compute": FaultKind({"factor": (_above(1), None)},
-                              "slow_compute:rank=1,start=25,factor=2.5", "compute"),
+                              "slow_compute:rank=1,start=25,factor=2.5", "compute", by_node=True),
     "slow_data": FaultKind({"seconds": (_above(0), None)},
                            "slow_data:rank=1,start=20,seconds=0.01", "data"),
     "memory_growth": FaultKind({"per_step": (parse_bytes, None)},
                                "memory_growth:rank=1,start=10,per_step=1MiB"),
     "activation_spike": FaultKind({"factor": (_positive_int, None), "steps": (_positive_int, 1)},
                                   "activation_spike:rank=1,start=30,factor=8,steps=3"),
-    "host_memory": FaultKind({"size": (parse_bytes, None)}, "host_memory:rank=0,start=10,size=2GiB"),
+    "host_memory": FaultKind({"size": (parse_bytes, None)}, "host_memory:rank=0,start=10,size=2GiB",
+                             by_node=True),
     "crash": FaultKind({}, "crash:rank=1,start=40", once=True),
     "hang": FaultKind({}, "hang:rank=1,start=40", once=True),
 }
 
-_COMMON = ("rank", "ranks", "start", "stop")
+_COMMON = ("rank", "ranks", "node", "start", "stop")
 
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One fault: ``kind`` on ``ranks`` from step ``start`` up to ``stop`` (None: to the end)."""
+    """One fault: ``kind`` on ``ranks`` from step ``start`` up to ``stop`` (None: to the end).
+    ``node``: the experiment's node whose every rank it is on (``ranks`` empty until
+    :meth:`on_ranks` names them)."""
 
     kind: str
     ranks: tuple[int, ...]
     start: int
     stop: int | None = None
     params: Mapping[str, Any] = field(default_factory=dict)
+    node: int | None = None
 
     def active(self, step: int) -> bool:
         return step >= self.start and (self.stop is None or step < self.stop)
 
-    def on(self, rank: int) -> bool:
-        return rank in self.ranks
+    def on(self, rank: int, node_index: int | None = None) -> bool:
+        """Whether it is on ``rank``, placed on the experiment's node ``node_index``."""
+        return rank in self.ranks or (self.node is not None and self.node == node_index)
+
+    def on_ranks(self, ranks: Iterable[int]) -> FaultSpec:
+        """A node fault with the ranks its node held named (for the analysis)."""
+        return dataclasses.replace(self, ranks=tuple(sorted(set(ranks))))
 
     @property
     def once(self) -> bool:
@@ -88,24 +101,28 @@ class FaultSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "ranks": list(self.ranks), "start": self.start,
-                "stop": self.stop, "params": dict(self.params)}
+                "stop": self.stop, "params": dict(self.params), "node": self.node}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FaultSpec:
         return cls(str(d["kind"]), tuple(int(r) for r in d["ranks"]), int(d["start"]),
-                   None if d.get("stop") is None else int(d["stop"]), dict(d.get("params", {})))
+                   None if d.get("stop") is None else int(d["stop"]), dict(d.get("params", {})),
+                   None if d.get("node") is None else int(d["node"]))
 
     def __str__(self) -> str:
-        keys = [f"ranks={'+'.join(map(str, self.ranks))}", f"start={self.start}"]
+        where = f"node={self.node}" if self.node is not None else \
+            f"ranks={'+'.join(map(str, self.ranks))}"
+        keys = [where, f"start={self.start}"]
         if self.stop is not None:
             keys.append(f"stop={self.stop}")
         keys += [f"{k}={v}" for k, v in self.params.items()]
         return f"{self.kind}:{','.join(keys)}"
 
 
-def parse_fault(text: str, *, world_size: int | None = None) -> FaultSpec:
+def parse_fault(text: str, *, world_size: int | None = None,
+                num_nodes: int | None = None) -> FaultSpec:
     """``KIND:key=value,...`` -> :class:`FaultSpec`; InputError naming the kind or key and the
-    fix. ``world_size``: when given, every rank must be below it."""
+    fix. ``world_size``: when given, every rank must be below it; ``num_nodes``: every node."""
     flag = "--fault"
     kind, _, rest = str(text).strip().partition(":")
     if kind not in KINDS:
@@ -120,11 +137,15 @@ def parse_fault(text: str, *, world_size: int | None = None) -> FaultSpec:
                              fix=f"write e.g. {kind}:rank=1,start=20")
         if key not in spec.keys and key not in _COMMON:
             raise InputError(flag, f"{kind}: unknown key {key!r}", value=text,
-                             fix="keys: " + ", ".join((*_COMMON[1:], *spec.keys)))
+                             fix="keys: " + ", ".join((*(k for k in _COMMON[1:]
+                                                          if k != "node" or spec.by_node),
+                                                        *spec.keys)))
         values[key] = value
     if "rank" in values and "ranks" in values:
         raise InputError(flag, f"{kind}: both rank and ranks", value=text,
                          fix="give one rank (rank=1) or several (ranks=0+1)")
+    if "node" in values:
+        return _parse_node_fault(kind, values, text, num_nodes)
     try:
         ranks = tuple(int(r) for r in values.get("ranks", values.get("rank", "")).split("+"))
     except ValueError:
@@ -136,6 +157,38 @@ def parse_fault(text: str, *, world_size: int | None = None) -> FaultSpec:
     if "start" not in values:
         raise InputError(flag, f"{kind}: missing start", value=text,
                          fix=f"add start=STEP, e.g. {spec.example}")
+    start, stop, params = _window_and_params(kind, values, text)
+    return FaultSpec(kind, ranks, start, stop, params)
+
+
+def _parse_node_fault(kind: str, values: Mapping[str, str], text: str,
+                      num_nodes: int | None) -> FaultSpec:
+    """``node=K``: every rank of the experiment's node K; never with rank or ranks."""
+    flag, spec = "--fault", KINDS[kind]
+    if not spec.by_node:
+        takes = ", ".join(k for k, s in KINDS.items() if s.by_node)
+        raise InputError(flag, f"{kind}: takes no node key (node= is for {takes})", value=text,
+                         fix=f"name its ranks instead, e.g. {spec.example}")
+    if "rank" in values or "ranks" in values:
+        raise InputError(flag, f"{kind}: node and rank(s) together", value=text,
+                         fix=f"give node=K for every rank of node K, or rank=/ranks= for "
+                             f"chosen ranks, not both (e.g. {kind}:node=1,...)")
+    node = _parse_key(kind, "node", values["node"], _step, text)
+    if num_nodes is not None and node >= num_nodes:
+        raise InputError(flag, f"{kind}: node {node} is not below --nodes {num_nodes}",
+                         value=text, fix=f"use node 0..{num_nodes - 1}, or pass --nodes "
+                                         f"{node + 1}")
+    if "start" not in values:
+        raise InputError(flag, f"{kind}: missing start", value=text,
+                         fix=f"add start=STEP, e.g. {kind}:node={node},start=20")
+    start, stop, params = _window_and_params(kind, values, text)
+    return FaultSpec(kind, (), start, stop, params, node=node)
+
+
+def _window_and_params(kind: str, values: Mapping[str, str], text: str
+                       ) -> tuple[int, int | None, dict[str, Any]]:
+    """``start``, ``stop`` and the kind's own keys of a spec's ``values``."""
+    flag, spec = "--fault", KINDS[kind]
     start = _parse_key(kind, "start", values["start"], _step, text)
     stop = _parse_key(kind, "stop", values["stop"], _step, text) if "stop" in values else None
     if stop is not None and stop <= start:
@@ -150,7 +203,7 @@ def parse_fault(text: str, *, world_size: int | None = None) -> FaultSpec:
             params[key] = default
             continue
         params[key] = _parse_key(kind, key, values[key], parse, text)
-    return FaultSpec(kind, ranks, start, stop, params)
+    return start, stop, params
 
 
 def _step(text: str) -> int:

@@ -6,6 +6,7 @@ rehearsal (:class:`~raytrain_guard.runtime.loop.rehearsal.Rehearsal`), applies o
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -67,14 +68,19 @@ class FaultRuntime(Rehearsal):
     tensor on ``torch_device``). ``injector``: a
     :class:`~raytrain_guard.experiment.rehearsal.FaultInjector` for phase delays and for
     ``memory`` (``{"step", "frac"}``: the memory probe filled to ``frac`` at ``step``).
+    ``node_index``: the experiment's node this rank runs on (None: not known), for the faults
+    scoped to a node; of a node's ``host_memory``, one rank of the node holds the RAM (a lock
+    in ``marker_dir``).
     """
 
     def __init__(self, specs: Sequence[FaultSpec], *, world_rank: int, marker_dir: str | None,
                  card: SimulatedDevice | None = None, torch_device: Any = "cpu",
                  device_time: Any = None, injector: Any = None, memory: Sequence[Any] = (),
-                 sleep: Any = time.sleep) -> None:
+                 sleep: Any = time.sleep, node_index: int | None = None) -> None:
         self.world_rank = world_rank
-        self.specs = [s for s in specs if s.on(world_rank)]
+        self.node_index = node_index
+        self.specs = [s for s in specs if s.on(world_rank, node_index)]
+        self._node_locks: dict[FaultSpec, int] = {}
         self._kinds: dict[str, list[FaultSpec]] = {}
         for spec in self.specs:
             self._kinds.setdefault(spec.kind, []).append(spec)
@@ -136,7 +142,7 @@ class FaultRuntime(Rehearsal):
             if spec.active(step):
                 self._hold(int(spec.params["per_step"]))
         for spec in self.of("host_memory"):
-            if spec.active(step) and self._hog is None:
+            if spec.active(step) and self._hog is None and self._holds_node_ram(spec):
                 self._start_hog(int(spec.params["size"]))
             elif not spec.active(step) and self._hog is not None and step >= spec.start:
                 self.close()
@@ -222,6 +228,23 @@ class FaultRuntime(Rehearsal):
                        self.world_rank, self.step, format_bytes(num_bytes))
         self._hog = subprocess.Popen([sys.executable, "-c", _HOG, str(num_bytes)])
 
+    def _holds_node_ram(self, spec: FaultSpec) -> bool:
+        """Whether this rank holds ``spec``'s RAM: every rank of a rank fault; of a node fault,
+        the one rank of the node that takes its lock in ``marker_dir`` (held while this
+        process lives, so a restarted group's rank takes it again)."""
+        if spec.node is None or self.marker_dir is None:
+            return True
+        fd = self._node_locks.get(spec)
+        if fd is None:
+            path = os.path.join(self.marker_dir, f"holds-{spec.kind}-node{spec.node}-"
+                                                 f"step{spec.start}")
+            fd = self._node_locks[spec] = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False          # another rank of the node holds it
+        return True
+
     def _first_time(self, spec: FaultSpec) -> bool:
         """True the first time in the run (a marker file in ``marker_dir``)."""
         if self.marker_dir is None:
@@ -241,6 +264,9 @@ class FaultRuntime(Rehearsal):
             self._hog.kill()
             self._hog.wait()
             self._hog = None
+        for fd in self._node_locks.values():
+            os.close(fd)                              # releases the node's lock
+        self._node_locks.clear()
 
 
 def lengthen(batch: Any, factor: int) -> Any:

@@ -1,5 +1,6 @@
 """The experiment's rehearsal of the shared train loop: :func:`build_rehearsal` turns
-``LoopConfig.faults`` (``{"inject": [FaultSpec dicts], "marker_dir", "device_step_s", "delay":
+``LoopConfig.faults`` (``{"inject": [FaultSpec dicts], "marker_dir", "device_step_s",
+"node_ids": [the experiment's Ray node ids, node 0 first], "delay":
 [{"seconds", "phase", "ranks", "steps": [lo, hi)}], "ballast_bytes": {"<rank>": n}, "memory":
 [{"rank", "step", "frac"}]}``) into one rank's
 :class:`~raytrain_guard.experiment.injection.FaultRuntime`.
@@ -7,18 +8,22 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from raytrain_guard.coordination.context import current_context
 from raytrain_guard.errors import InputError
 from raytrain_guard.experiment.card import SimulatedDevice
 from raytrain_guard.experiment.device_time import DeviceTime
 from raytrain_guard.experiment.faults import FaultSpec
 from raytrain_guard.experiment.injection import FaultRuntime
 from raytrain_guard.runtime.guard.timing import PHASE_FIELDS
+
+logger = logging.getLogger(__name__)
 
 
 def build_rehearsal(config: Any, *, world_rank: int, device: Any) -> FaultRuntime:
@@ -38,12 +43,23 @@ def build_rehearsal(config: Any, *, world_rank: int, device: Any) -> FaultRuntim
         ballast = dict(faults.get("ballast_bytes", {})).get(str(world_rank))
         if ballast:
             injector.allocate_ballast(int(ballast))
+    specs = [FaultSpec.from_dict(d) for d in faults.get("inject", ())]
     return FaultRuntime(
-        [FaultSpec.from_dict(d) for d in faults.get("inject", ())], world_rank=world_rank,
+        specs, world_rank=world_rank, node_index=node_index(faults.get("node_ids"))
+        if any(s.node is not None for s in specs) else None,
         marker_dir=faults.get("marker_dir"), card=card, torch_device=device,
         device_time=DeviceTime(float(faults["device_step_s"]))
         if faults.get("device_step_s") else None, injector=injector,
         memory=[m for m in faults.get("memory", ()) if int(m.get("rank", 0)) == world_rank])
+
+
+def node_index(node_ids: Any) -> int | None:
+    """This process's node's place in ``node_ids`` (the experiment's nodes in the order the
+    driver started them); None where it is not among them."""
+    ids, own = list(node_ids or ()), current_context().node_id
+    index = ids.index(own) if own in ids else None
+    logger.info("rank on Ray node %s: the experiment's node %s", own[:12], index)
+    return index
 
 
 class FaultInjector:

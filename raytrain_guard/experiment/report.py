@@ -89,7 +89,9 @@ def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[s
     lines = [
         "# raytrain-guard experiment", "",
         f"Faults: {', '.join(result['faults']) or 'none'}", "",
-        f"Training: {setup.num_workers} workers, strategy {setup.strategy}, micro-batch "
+        f"Training: {setup.num_workers} workers"
+        + (f" spread over {setup.nodes} Ray nodes" if setup.nodes > 1 else "")
+        + f", strategy {setup.strategy}, micro-batch "
         f"{setup.micro_batch} x grad_accum {setup.grad_accum}, "
         + (f"{setup.max_steps} steps" if setup.max_steps else f"{setup.epochs} epochs")
         + f", seed {setup.seed}, max_failures {setup.max_failures}, checkpoint every "
@@ -104,7 +106,8 @@ def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[s
         "## Faults named", ""]
     for name, arm in result["arms"].items():
         for f in arm.get("fault_detection", ()):
-            lines.append(f"- {name}: `{f['fault']}`: " + (
+            on = f" (its ranks {f['ranks']})" if "node_index" in f else ""
+            lines.append(f"- {name}: `{f['fault']}`{on}: " + (
                 f"{f['cause']} named at step {f['named_at_step']}, {f['delay_steps']} steps "
                 f"after its start ({'within' if f['in_time'] else 'over'} the "
                 f"{analysis.DETECTION_DELAY_TARGET_STEPS}-step target)"
@@ -114,7 +117,9 @@ def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[s
               for name, arm in result["arms"].items()]
     lines += ["", "## Detections", ""]
     for name, arm in result["arms"].items():
-        lines += [f"- {name}: {d['kind']} on rank {d['rank']} at step {d['step']}"
+        lines += [f"- {name}: {d['kind']} on rank {d['rank']}"
+                  + (f" (node {d['node_index']} as a node)" if d.get("target") == "node"
+                     and d.get("node_index") is not None else "") + f" at step {d['step']}"
                   + (f" ({d['delay_steps']} steps after {d['fault']} began)"
                      if d.get("fault") else "") + f": {d['reason']}" for d in arm["detections"]]
     lines += ["", "## Decisions", ""]
@@ -237,7 +242,8 @@ def _shade_faults(panels: Sequence[Any], faults: Sequence[Any], last_step: int) 
     for i, f in enumerate(faults):
         end = analysis.fault_last_step(f)
         stop = last_step if end is None else end + 1
-        label = f"{f.kind} rank {'+'.join(map(str, f.ranks))}"
+        label = f"{f.kind} node {f.node}" if f.node is not None else \
+            f"{f.kind} rank {'+'.join(map(str, f.ranks))}"
         for ax in panels:
             ax.axvspan(f.start, stop, color=FAULT_COLOURS[i % len(FAULT_COLOURS)], alpha=0.6,
                        linewidth=0, zorder=0, label=label if ax is panels[0] else None)

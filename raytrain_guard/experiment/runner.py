@@ -11,6 +11,7 @@ write to is made absolute in the driver: a Ray worker runs in its own working di
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -18,7 +19,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,7 @@ class ExperimentSetup:
     checkpoint_every_steps: int = 25
     guard: Mapping[str, Any] = field(default_factory=dict)
     device_step_ms: float | None = None     # None: BUILT_IN_DEVICE_STEP_MS for the built-in job
+    nodes: int = 1                          # Ray nodes on this machine, the workers spread
 
     @property
     def built_in(self) -> bool:
@@ -83,7 +85,16 @@ class ExperimentSetup:
             if arm not in ARMS:
                 raise InputError("--arms", f"unknown arm {arm!r}", value=",".join(self.arms),
                                  fix="use observe, act or observe,act")
+        if not 1 <= self.nodes <= self.num_workers:
+            raise InputError("--nodes", f"must be 1..--workers {self.num_workers} (a node "
+                             f"holds at least one worker)", value=self.nodes,
+                             fix=f"use --nodes 1..{self.num_workers}, or more --workers")
         for f in self.faults:
+            if f.node is not None and f.node >= self.nodes:
+                raise InputError("--fault", f"node {f.node} of {f} is not below --nodes "
+                                 f"{self.nodes}", value=str(f),
+                                 fix=f"use node 0..{self.nodes - 1}, or pass --nodes "
+                                     f"{f.node + 1}")
             if any(r >= self.num_workers for r in f.ranks):
                 raise InputError("--fault", f"rank {max(f.ranks)} of {f} is not below "
                                  f"--workers {self.num_workers}", value=str(f),
@@ -109,8 +120,10 @@ class ExperimentSetup:
         return BUILT_IN_DEVICE_MEMORY_BYTES if self.built_in else None
 
 
-def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any]:
-    """The train loop's config of one arm (the same for both but ``act``), its folders absolute."""
+def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str,
+                node_ids: Sequence[str] = ()) -> dict[str, Any]:
+    """The train loop's config of one arm (the same for both but ``act``), its folders absolute.
+    ``node_ids``: the experiment's Ray nodes, node 0 first (for the faults scoped to a node)."""
     act = arm == "act"
     arm_dir = os.path.abspath(arm_dir)
     config: dict[str, Any] = {
@@ -124,6 +137,8 @@ def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any
                    "marker_dir": os.path.join(arm_dir, "markers"),
                    "device_step_s": setup.device_step_s()},
         "guard": dict(setup.guard)}
+    if node_ids:
+        config["faults"]["node_ids"] = list(node_ids)
     if setup.max_steps is not None:       # that many steps, over as many epochs as it takes
         config["max_steps"] = setup.max_steps
         config["epochs"] = setup.max_steps
@@ -131,9 +146,10 @@ def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str) -> dict[str, Any
 
 
 def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
-            namespace: str = "raytrain_guard") -> dict[str, Any]:
+            namespace: str = "raytrain_guard", node_ids: Sequence[str] = ()) -> dict[str, Any]:
     """Run one arm and return its figures (the ARM object of the report); ArmTracesError when
-    its ranks left no trace in ``arm_dir``."""
+    its ranks left no trace in ``arm_dir``. ``node_ids``: the experiment's Ray nodes, node 0
+    first; with several, the workers spread over them."""
     from raytrain_guard.cluster.launcher import launch
 
     arm_dir = os.path.abspath(arm_dir)
@@ -143,7 +159,8 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
     error, summary = None, None
     try:
         summary = launch(
-            loop_config(setup, arm, arm_dir), num_workers=setup.num_workers,
+            loop_config(setup, arm, arm_dir, node_ids), num_workers=setup.num_workers,
+            placement_strategy="SPREAD" if setup.nodes > 1 else "PACK",
             config=setup.guard_config(),
             plan=False, run_id=f"{arm}-{uuid.uuid4().hex[:6]}", namespace=namespace,
             storage_path=storage, max_failures=setup.max_failures,
@@ -158,7 +175,7 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
         result = analysis.analyze_arm(
             arm_dir, setup.faults, num_samples=_num_samples(setup), launch_error=error,
             wall_s=wall, num_workers=setup.num_workers, epoch_order=_epoch_order(setup),
-            lateness=detection_lateness(setup))
+            lateness=detection_lateness(setup), node_ids=node_ids)
     except analysis.ArmTracesError as exc:
         raise analysis.ArmTracesError(f"arm {arm}: {exc}") from None
     if summary is not None:            # the rank the coordinator named live, per hung attempt
@@ -172,42 +189,84 @@ def run_experiment(setup: ExperimentSetup, out_dir: str, *,
                    progress: Callable[[str], None] | None = None,
                    namespace: str = "raytrain_guard") -> dict[str, Any]:
     """Every arm, one after the other, then the report. Returns the ``--json`` object."""
-    import ray
-
     from raytrain_guard.experiment.report import write_report
 
     setup.check()
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    started_ray = False
-    if not ray.is_initialized():
-        ray.init(address="local", namespace=namespace,
-                 num_cpus=max(4, setup.num_workers + 2), include_dashboard=False,
-                 log_to_driver=False, logging_level="error")
-        started_ray = True
     arms: dict[str, Any] = {}
-    try:
+    with experiment_ray(setup, namespace) as node_ids:
         for arm in setup.arms:
             if progress:
                 progress(f"arm {arm}: training {setup.num_workers} workers with the guard "
                          + ("observing only" if arm == "observe" else "acting") + " ...")
             t0 = time.perf_counter()
-            arms[arm] = run_arm(setup, arm, os.path.join(out_dir, arm), namespace=namespace)
+            arms[arm] = run_arm(setup, arm, os.path.join(out_dir, arm), namespace=namespace,
+                                node_ids=node_ids)
             if progress:
                 a = arms[arm]
                 progress(f"arm {arm}: {'completed' if a['completed'] else 'did not complete'}"
                          f", {a['steps']}/{a['total_steps']} steps, {a['attempts']} attempt(s)"
                          f" in {time.perf_counter() - t0:.0f} s"
                          + (f"; {a['error']}" if a["error"] else ""))
-    finally:
-        if started_ray:
-            ray.shutdown()
-    result = {"arms": arms, "faults": [str(f) for f in setup.faults],
+    result = {"arms": arms, "faults": [str(f) for f in setup.faults], "node_ids": node_ids,
               "device": _device_line(setup), "step_model": step_model_line(setup),
               "machine": machine_line()}
     report, plots = write_report(result, out_dir, setup)
     result["report"], result["plots"] = report, plots
     return result
+
+
+@contextlib.contextmanager
+def experiment_ray(setup: ExperimentSetup, namespace: str) -> Iterator[list[str]]:
+    """Ray for the experiment; yields its nodes' ids, node 0 first. Ray already initialized
+    by the caller: its nodes, the driver's first. Otherwise a local cluster, stopped when the
+    block ends: one node (as ``ray.init()``), or with ``setup.nodes`` > 1 that many Ray nodes
+    on this machine (``ray.cluster_utils.Cluster``: the head and ``nodes - 1`` workers, each
+    with its own node id, raylet and CPUs for its share of the workers plus one)."""
+    import ray
+
+    options = {"namespace": namespace, "log_to_driver": False, "logging_level": "error"}
+    if ray.is_initialized():
+        yield _ordered_node_ids(setup.nodes)
+        return
+    if setup.nodes == 1:
+        ray.init(address="local", num_cpus=max(4, setup.num_workers + 2),
+                 include_dashboard=False, **options)
+        try:
+            yield [ray.get_runtime_context().get_node_id()]
+        finally:
+            ray.shutdown()
+        return
+    from ray.cluster_utils import Cluster
+
+    cpus = -(-setup.num_workers // setup.nodes) + 1
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": cpus, "include_dashboard": False})
+    try:
+        nodes = [cluster.head_node] + [cluster.add_node(num_cpus=cpus)
+                                       for _ in range(setup.nodes - 1)]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, **options)
+        try:
+            yield [n.node_id for n in nodes]
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+def _ordered_node_ids(wanted: int) -> list[str]:
+    """The alive nodes of the cluster the caller started, the driver's first; InputError when
+    there are fewer than ``wanted``."""
+    import ray
+    own = ray.get_runtime_context().get_node_id()
+    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    ordered = [own] + [n for n in alive if n != own]
+    if len(ordered) < wanted:
+        raise InputError("--nodes", f"the Ray cluster found has {len(ordered)} alive node(s)",
+                         value=wanted, fix=f"use --nodes {len(ordered)} or fewer, or add nodes")
+    return ordered
 
 
 def _num_samples(setup: ExperimentSetup) -> int | None:
