@@ -326,3 +326,37 @@ def test_the_lateness_bound_ends_at_a_spikes_last_step():
     assert not analysis.can_name(spike, 0, 41, late_steps=10)      # another rank
     assert analysis.can_name(parse_fault("slow_compute:rank=1,start=5,factor=2"), 1, 10**6,
                              late_steps=0)                    # no end: no bound
+
+
+def _on_nodes(root, node_of):
+    """Give each rank's start records the Ray node id ``node_of[rank]``."""
+    for rank, node in node_of.items():
+        path = root / "trace" / f"rank{rank}.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "node_id": node} if r["t"] == "start" else r)
+                                + "\n" for r in records))
+
+
+def test_a_node_fault_is_named_by_its_node_as_a_node_not_by_its_rank(tmp_path):
+    # rank 1 runs on node "nb", the experiment's node 1. The coordinator names rank 1 alone
+    # first (a rank-scoped flag), then node nb as a node: only the latter names the node fault,
+    # and it carries node_index 1 beside the Ray node id
+    def flag(applied_at, target, did):
+        return _decision("flag_straggler", applied_at, scope="node:nb", decision_id=did,
+                         params={"world_ranks": [1], "node_id": "nb", "target": target})
+    root = write_arm(tmp_path, audits=clean_audits(range(4)), steps_done=4,
+                     decisions=[flag(12, "rank", 5), flag(16, "node", 6)])
+    _on_nodes(root, {0: "na", 1: "nb"})
+    fault = parse_fault("slow_compute:node=1,start=10,factor=3", num_nodes=2)
+    arm = analyze(root, [fault], node_ids=["na", "nb"])
+    assert arm["nodes"] == [{"node_index": 0, "node_id": "na", "ranks": [0]},
+                            {"node_index": 1, "node_id": "nb", "ranks": [1]}]
+    named = arm["fault_detection"][0]
+    assert (named["named_at_step"], named["node_index"], named["node_id"], named["ranks"]) == \
+        (15, 1, "nb", [1])
+    assert [(d["target"], d["node_index"], d["fault"]) for d in arm["detections"]] == \
+        [("rank", 1, "slow_compute"), ("node", 1, "slow_compute")]
+    # the same flags, the fault on the other node: neither names it
+    other = parse_fault("slow_compute:node=0,start=10,factor=3", num_nodes=2)
+    assert analyze(root, [other], node_ids=["na", "nb"])["fault_detection"][0][
+        "named_at_step"] is None

@@ -11,6 +11,13 @@ from raytrain_guard import cli
     (["--max-failures", "-1"], "--max-failures: must be an integer >= 0"),
     (["--micro-batch", "0"], "--micro-batch: must be an integer >= 1"),
     (["--fault", "slow_compute:rank=1,start=-2,factor=3"], "start=-2"),
+    (["--nodes", "0"], "--nodes: must be an integer >= 1"),
+    (["--nodes", "3"], "--nodes: must be 1..--workers 2"),
+    (["--nodes", "2", "--fault", "slow_compute:node=2,start=4,factor=3"],
+     "--fault: slow_compute: node 2 is not below --nodes 2"),
+    (["--fault", "slow_compute:node=1,start=4,factor=3"], "use node 0..0, or pass --nodes 2"),
+    (["--nodes", "2", "--fault", "slow_compute:node=1,rank=0,start=4,factor=3"],
+     "node and rank(s) together"),
 ])
 def test_bad_experiment_input_is_one_line_exit_2(argv, names, capsys, monkeypatch):
     import ray
@@ -18,3 +25,15 @@ def test_bad_experiment_input_is_one_line_exit_2(argv, names, capsys, monkeypatc
     assert cli.main(["experiment", *argv]) == 2
     err = capsys.readouterr().err
     assert names in err and "Traceback" not in err, err
+
+
+def test_the_python_api_refuses_a_node_fault_past_its_nodes():
+    from raytrain_guard.errors import InputError
+    from raytrain_guard.experiment.faults import parse_fault
+    from raytrain_guard.experiment.runner import ExperimentSetup
+
+    setup = ExperimentSetup(faults=(parse_fault("slow_compute:node=1,start=4,factor=3"),))
+    with pytest.raises(InputError) as err:
+        setup.check()
+    assert err.value.field == "--fault" and "node 1" in err.value.problem
+    assert "--nodes 2" in err.value.fix

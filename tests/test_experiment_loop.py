@@ -148,6 +148,35 @@ def test_the_host_memory_fault_is_a_process_holding_the_ram_until_its_stop(tmp_p
         hog.status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_node_fault_is_on_the_ranks_of_its_node_and_one_of_them_holds_its_ram(tmp_path):
+    import socket
+
+    from raytrain_guard.experiment.injection import FaultRuntime
+    from raytrain_guard.experiment.rehearsal import node_index
+
+    slow = parse_fault("slow_compute:node=1,start=2,factor=3", num_nodes=2)
+    assert [len(FaultRuntime([slow], world_rank=r, marker_dir=None, node_index=n).specs)
+            for r, n in ((0, 1), (1, 1), (1, 0), (1, None))] == [1, 1, 0, 0]
+    # outside Ray a process's node id is its host name: its place in the node list
+    assert node_index(["elsewhere", socket.gethostname()]) == 1
+    assert node_index(["elsewhere"]) is None and node_index(None) is None
+
+    # both ranks of node 0 have the fault; one process holds the node's RAM, not one each
+    ram = parse_fault("host_memory:node=0,start=2,size=1MiB", num_nodes=2)
+    ranks = [FaultRuntime([ram], world_rank=r, marker_dir=str(tmp_path), node_index=0)
+             for r in (0, 1)]
+    try:
+        for rank in ranks:
+            rank.begin_step(2)
+        assert [rank._hog is not None for rank in ranks] == [True, False]
+        ranks[0].close()                        # its process ends: the other takes it over
+        ranks[1].begin_step(3)
+        assert ranks[1]._hog is not None
+    finally:
+        for rank in ranks:
+            rank.close()
+
+
 def test_a_crash_fires_once_per_run(tmp_path):
     from raytrain_guard.experiment.injection import FaultRuntime, InjectedCrash
 

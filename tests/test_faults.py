@@ -55,3 +55,33 @@ def test_a_bad_spec_is_one_line_naming_the_kind_or_key_and_the_fix(spec, names):
 def test_every_kind_has_an_example_that_parses():
     for kind, spec in KINDS.items():
         assert parse_fault(spec.example).kind == kind
+
+
+def test_a_node_fault_names_a_node_and_takes_its_ranks_where_they_run():
+    f = parse_fault("slow_compute:node=1,start=4,stop=9,factor=3", num_nodes=2)
+    assert (f.kind, f.node, f.ranks, f.start, f.stop) == ("slow_compute", 1, (), 4, 9)
+    assert FaultSpec.from_dict(f.to_dict()) == f and parse_fault(str(f)) == f
+    assert str(f) == "slow_compute:node=1,start=4,stop=9,factor=3.0"
+    # its ranks are known where they run: on node 1, any rank; elsewhere, none
+    assert f.on(0, node_index=1) and f.on(3, node_index=1)
+    assert not f.on(1, node_index=0) and not f.on(1)
+    assert f.on_ranks([3, 2, 3]).ranks == (2, 3) and f.on_ranks([3]).node == 1
+    assert parse_fault("host_memory:node=0,start=2,size=1MiB").node == 0
+    assert parse_fault("comm_delay:node=0,start=2,seconds=0.01").node == 0
+    assert parse_fault("comm_delay:rank=0,start=2,seconds=0.01").node is None
+
+
+@pytest.mark.parametrize("spec, names, fix", [
+    ("slow_compute:node=2,start=4,factor=3", "node 2 is not below --nodes 2", "--nodes 3"),
+    ("slow_compute:node=1,rank=1,start=4,factor=3", "node and rank(s) together", "not both"),
+    ("comm_delay:node=1,ranks=0+1,start=4,seconds=0.01", "node and rank(s) together",
+     "node=K for every rank of node K"),
+    ("crash:node=1,start=4", "takes no node key", "crash:rank=1"),
+    ("slow_compute:node=-1,start=4,factor=3", "node=-1 is not valid", "e.g."),
+    ("host_memory:node=1,size=1MiB", "missing start", "host_memory:node=1,start="),
+])
+def test_a_bad_node_key_is_one_line_naming_fault_and_the_fix(spec, names, fix):
+    with pytest.raises(InputError) as err:
+        parse_fault(spec, world_size=2, num_nodes=2)
+    assert names in err.value.problem and fix in err.value.fix, str(err.value)
+    assert err.value.field == "--fault" and "\n" not in str(err.value)

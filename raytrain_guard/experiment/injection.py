@@ -80,7 +80,7 @@ class FaultRuntime(Rehearsal):
         self.world_rank = world_rank
         self.node_index = node_index
         self.specs = [s for s in specs if s.on(world_rank, node_index)]
-        self._node_locks: dict[FaultSpec, int] = {}
+        self._node_locks: dict[str, int] = {}       # lock file name -> its open fd
         self._kinds: dict[str, list[FaultSpec]] = {}
         for spec in self.specs:
             self._kinds.setdefault(spec.kind, []).append(spec)
@@ -234,11 +234,11 @@ class FaultRuntime(Rehearsal):
         process lives, so a restarted group's rank takes it again)."""
         if spec.node is None or self.marker_dir is None:
             return True
-        fd = self._node_locks.get(spec)
+        name = f"holds-{spec.kind}-node{spec.node}-step{spec.start}"
+        fd = self._node_locks.get(name)
         if fd is None:
-            path = os.path.join(self.marker_dir, f"holds-{spec.kind}-node{spec.node}-"
-                                                 f"step{spec.start}")
-            fd = self._node_locks[spec] = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            fd = self._node_locks[name] = os.open(os.path.join(self.marker_dir, name),
+                                                  os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
