@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("matplotlib")
 
-from raytrain_guard.experiment.analysis import read_ranks  # noqa: E402
-from raytrain_guard.experiment.faults import parse_fault  # noqa: E402
-from raytrain_guard.experiment.runner import ExperimentSetup, run_experiment  # noqa: E402
+from raytrain_guard.experiment.analysis import read_ranks
+from raytrain_guard.experiment.faults import parse_fault
+from raytrain_guard.experiment.runner import ExperimentSetup, run_experiment
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
