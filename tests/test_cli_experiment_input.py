@@ -10,6 +10,7 @@ from raytrain_guard import cli
 @pytest.mark.parametrize("argv,names", [
     (["--max-failures", "-1"], "--max-failures: must be an integer >= 0"),
     (["--micro-batch", "0"], "--micro-batch: must be an integer >= 1"),
+    (["--repeat", "0"], "--repeat: must be an integer >= 1"),
     (["--fault", "slow_compute:rank=1,start=-2,factor=3"], "start=-2"),
 ])
 def test_bad_experiment_input_is_one_line_exit_2(argv, names, capsys, monkeypatch):

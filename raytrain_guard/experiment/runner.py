@@ -1,11 +1,15 @@
 """The before/after experiment: the same training with the guard observing and acting.
 
-:func:`run_experiment` runs one training per arm on the Ray cluster ``ray.init()`` finds (a local
-one by default), same seed, data order and fault schedule, each under
-``FailureConfig(max_failures)``: ``observe`` (the shared train loop with every measurement on
-and every action off) and ``act`` (the guard as shipped, with ``restart_after_stop``). It then
-reads what each arm's ranks wrote (:mod:`~raytrain_guard.experiment.analysis`) and writes
-``report.md`` and the plots (:mod:`~raytrain_guard.experiment.report`). Every folder the ranks
+:func:`run_experiment` runs one training per arm, same seed, data order and fault schedule,
+each under ``FailureConfig(max_failures)``: ``observe`` (the shared train loop with every
+measurement on and every action off) and ``act`` (the guard as shipped, with
+``restart_after_stop``); with ``repeat`` N, N pairs of them interleaved (observe, act, observe,
+act, ...), pair ``i`` at seed ``seed + i``. It runs on the Ray of this process when one is
+initialized, else on the cluster at ``address`` (or ``RAY_ADDRESS``), else on a local cluster it
+starts (:func:`connect`). It then reads what each arm's ranks wrote
+(:mod:`~raytrain_guard.experiment.analysis`), summarises the repeats
+(:mod:`~raytrain_guard.experiment.stats`) and writes ``report.md`` and the plots
+(:mod:`~raytrain_guard.experiment.report`). Every folder the ranks
 write to is made absolute in the driver: a Ray worker runs in its own working directory.
 """
 
@@ -19,12 +23,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError, one_line
-from raytrain_guard.experiment import analysis
+from raytrain_guard.experiment import analysis, stats
 from raytrain_guard.experiment.faults import FaultSpec
 from raytrain_guard.runtime.loop.config import REHEARSAL
 from raytrain_guard.units import MiB
@@ -46,6 +50,10 @@ BUILT_IN_DEVICE_STEP_MS = 50.0
 #: the observe arm's hang ends at the collective timeout, set short so that it ends at all
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 RAY_DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+#: Ray's own variable for the cluster to join; ``--address`` wins over it
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+#: addresses that mean "start a local cluster" (Ray's own word for it, and nothing)
+LOCAL_ADDRESSES = ("", "local")
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class ExperimentSetup:
     checkpoint_every_steps: int = 25
     guard: Mapping[str, Any] = field(default_factory=dict)
     device_step_ms: float | None = None     # None: BUILT_IN_DEVICE_STEP_MS for the built-in job
+    repeat: int = 1                         # pairs of arms, interleaved; pair i at seed + i
 
     @property
     def built_in(self) -> bool:
@@ -88,6 +97,9 @@ class ExperimentSetup:
                 raise InputError("--fault", f"rank {max(f.ranks)} of {f} is not below "
                                  f"--workers {self.num_workers}", value=str(f),
                                  fix=f"use ranks 0..{self.num_workers - 1}")
+        if not (isinstance(self.repeat, int) and self.repeat >= 1):
+            raise InputError("--repeat", "must be an integer >= 1", value=self.repeat,
+                             fix="e.g. --repeat 10 (1: one run of each arm)")
         memory_kinds = {"memory_growth", "activation_spike"}
         if self.device_step_ms is not None and not self.device_step_ms >= 0:
             raise InputError("--device-step-ms", "must be a number >= 0",
@@ -96,6 +108,21 @@ class ExperimentSetup:
         if any(f.kind in memory_kinds for f in self.faults) and not self.card_bytes():
             raise InputError("--device-memory", "memory faults need a card to overflow",
                              value=None, fix="pass --device-memory SIZE (e.g. 10MiB)")
+
+    def of_repeat(self, index: int) -> ExperimentSetup:
+        """The setup of pair ``index`` (from 0): the same but its seed, ``seed + index``, which
+        both arms of the pair share."""
+        return replace(self, seed=self.seed + index)
+
+    def repeat_dir(self, out_dir: str, index: int = 0) -> str:
+        """The folder of pair ``index``'s arms: ``<out>`` for one repeat, ``<out>/repeat-<index>``
+        for several."""
+        return out_dir if self.repeat == 1 else os.path.join(out_dir, f"repeat-{index}")
+
+    def arm_dir(self, out_dir: str, arm: str, index: int = 0) -> str:
+        """Where an arm of pair ``index`` writes: ``<out>/<arm>`` for one repeat,
+        ``<out>/repeat-<index>/<arm>`` for several."""
+        return os.path.join(self.repeat_dir(out_dir, index), arm)
 
     def device_step_s(self) -> float:
         """Device time per micro-batch (0: the model's real compute only)."""
@@ -170,44 +197,87 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
 
 def run_experiment(setup: ExperimentSetup, out_dir: str, *,
                    progress: Callable[[str], None] | None = None,
-                   namespace: str = "raytrain_guard") -> dict[str, Any]:
-    """Every arm, one after the other, then the report. Returns the ``--json`` object."""
-    import ray
-
+                   namespace: str = "raytrain_guard",
+                   address: str | None = None) -> dict[str, Any]:
+    """Every arm of every repeat, interleaved (observe, act, observe, act, ...), then the
+    report, on the Ray :func:`connect` gives. Returns the ``--json`` object."""
     from raytrain_guard.experiment.report import write_report
 
     setup.check()
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    started_ray = False
-    if not ray.is_initialized():
-        ray.init(address="local", namespace=namespace,
-                 num_cpus=max(4, setup.num_workers + 2), include_dashboard=False,
-                 log_to_driver=False, logging_level="error")
-        started_ray = True
-    arms: dict[str, Any] = {}
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in setup.arms}
+    started_ray, cluster = connect(setup, namespace=namespace, address=address)
     try:
-        for arm in setup.arms:
-            if progress:
-                progress(f"arm {arm}: training {setup.num_workers} workers with the guard "
-                         + ("observing only" if arm == "observe" else "acting") + " ...")
-            t0 = time.perf_counter()
-            arms[arm] = run_arm(setup, arm, os.path.join(out_dir, arm), namespace=namespace)
-            if progress:
-                a = arms[arm]
-                progress(f"arm {arm}: {'completed' if a['completed'] else 'did not complete'}"
-                         f", {a['steps']}/{a['total_steps']} steps, {a['attempts']} attempt(s)"
-                         f" in {time.perf_counter() - t0:.0f} s"
-                         + (f"; {a['error']}" if a["error"] else ""))
+        for index in range(setup.repeat):
+            label = f"repeat {index + 1}/{setup.repeat}: " if setup.repeat > 1 else ""
+            for arm in setup.arms:
+                if progress:
+                    progress(f"{label}arm {arm}: training {setup.num_workers} workers with the "
+                             "guard " + ("observing only" if arm == "observe" else "acting")
+                             + " ...")
+                t0 = time.perf_counter()
+                a = run_arm(setup.of_repeat(index), arm, setup.arm_dir(out_dir, arm, index),
+                            namespace=namespace)
+                runs[arm].append(a)
+                if progress:
+                    progress(f"{label}arm {arm}: "
+                             f"{'completed' if a['completed'] else 'did not complete'}"
+                             f", {a['steps']}/{a['total_steps']} steps, {a['attempts']} "
+                             f"attempt(s) in {time.perf_counter() - t0:.0f} s"
+                             + (f"; {a['error']}" if a["error"] else ""))
     finally:
         if started_ray:
+            import ray
             ray.shutdown()
+    if setup.repeat == 1:
+        arms = {arm: repeats[0] for arm, repeats in runs.items()}
+    else:
+        arms = stats.summarize_repeats(
+            runs, setup.faults, late_steps=detection_lateness(setup).cluster_steps)
     result = {"arms": arms, "faults": [str(f) for f in setup.faults],
               "device": _device_line(setup), "step_model": step_model_line(setup),
-              "machine": machine_line()}
+              "machine": machine_line(), "cluster": cluster}
+    if setup.repeat > 1:
+        result["repeat"] = {"pairs": setup.repeat,
+                            "seeds": [setup.seed + i for i in range(setup.repeat)]}
     report, plots = write_report(result, out_dir, setup)
     result["report"], result["plots"] = report, plots
     return result
+
+
+def cluster_address(address: str | None = None) -> str | None:
+    """The cluster to join: ``address`` (``--address``), else ``RAY_ADDRESS``; None where
+    the one given names none (empty or ``local``) or neither is given: the experiment starts a
+    local cluster."""
+    for given in (address, os.environ.get(RAY_ADDRESS_ENV)):
+        if given is not None:
+            return None if given.strip() in LOCAL_ADDRESSES else given.strip()
+    return None
+
+
+def connect(setup: ExperimentSetup, *, namespace: str, address: str | None = None
+            ) -> tuple[bool, dict[str, Any]]:
+    """Ray for the experiment: the one this process already initialized, as it is; else the
+    cluster at :func:`cluster_address` (``ray.init(address=...)``: its own resources, none
+    declared here); else a new local cluster of ``max(4, num_workers + 2)`` CPUs. Returns
+    whether it called ``ray.init`` (the caller shuts it down: a joined cluster lives on) and
+    the result's ``cluster``: where it ran and the ids of the cluster's alive nodes."""
+    import ray
+
+    started = False
+    joined = cluster_address(address)
+    if not ray.is_initialized():
+        quiet = {"log_to_driver": False, "logging_level": "error"}
+        if joined is not None:
+            ray.init(address=joined, namespace=namespace, **quiet)
+        else:
+            ray.init(address="local", namespace=namespace,
+                     num_cpus=max(4, setup.num_workers + 2), include_dashboard=False, **quiet)
+        started = True
+    where = "this process's Ray" if not started else joined or "local"
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    return started, {"address": where, "node_ids": nodes}
 
 
 def _num_samples(setup: ExperimentSetup) -> int | None:
