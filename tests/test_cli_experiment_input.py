@@ -1,10 +1,13 @@
-"""``raytrain-guard experiment`` refuses bad input in one line, exit 2, before any Ray starts."""
+"""``raytrain-guard experiment`` refuses bad input in one line, exit 2, before any Ray starts,
+and hands ``--repeat`` and ``--address`` to the runner (the runs themselves:
+tests/test_experiment_repeats_ray.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from raytrain_guard import cli
+from raytrain_guard.experiment import runner
 
 
 @pytest.mark.parametrize("argv,names", [
@@ -19,3 +22,18 @@ def test_bad_experiment_input_is_one_line_exit_2(argv, names, capsys, monkeypatc
     assert cli.main(["experiment", *argv]) == 2
     err = capsys.readouterr().err
     assert names in err and "Traceback" not in err, err
+
+
+def test_repeat_and_address_reach_the_runner(monkeypatch, tmp_path, capsys):
+    seen = {}
+
+    def experiment(setup, out_dir, progress=None, address=None):
+        seen.update(repeat=setup.repeat, seed=setup.seed, address=address)
+        raise RuntimeError("stopped here")
+    monkeypatch.setattr(runner, "run_experiment", experiment)
+    monkeypatch.chdir(tmp_path)
+    argv = ["experiment", "--repeat", "3", "--seed", "4", "--address", "10.0.0.1:6379"]
+    assert cli.main(argv) == 1
+    assert seen == {"repeat": 3, "seed": 4, "address": "10.0.0.1:6379"}
+    assert "could not run: RuntimeError: stopped here" in capsys.readouterr().err
+    assert cli.main(["experiment"]) == 1 and seen["address"] is None     # RAY_ADDRESS: runner's
