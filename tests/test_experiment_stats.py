@@ -40,8 +40,11 @@ def test_the_bootstrap_interval_holds_the_median_and_reproduces_with_its_seed():
     assert interval.low < interval.high
     assert stats.bootstrap_median(values) == interval     # the same seed, the same interval
     assert stats.bootstrap_median(list(reversed(values))).low == interval.low
-    others = {stats.bootstrap_median(values, seed=s, resamples=50) for s in range(10)}
-    assert len(others) > 1                                # the seed is what fixes it
+    # few resamples of many values: the interval moves with the draws, and the seed fixes them
+    spread = [float((7 * i) % 23) for i in range(23)]
+    few = stats.bootstrap_median(spread, resamples=50, seed=3)
+    assert stats.bootstrap_median(spread, resamples=50, seed=3) == few
+    assert len({stats.bootstrap_median(spread, resamples=50, seed=s) for s in range(10)}) > 1
     assert interval.to_dict()["values"] == values and interval.to_dict()["n"] == 7
 
 
