@@ -72,6 +72,7 @@ def repeats_section(result: Mapping[str, Any]) -> list[str]:
             cells.append("-" if entry is None else interval_text(entry, fmt)
                          + (f" (n {entry['n']})" if entry["n"] != pairs else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
     for name in names:
         for f in arms[name].get("fault_detection", ()):
             k, total = f.get(stats.NAMED_WITHIN, (0, 0))
