@@ -210,7 +210,7 @@ def run_experiment(setup: ExperimentSetup, out_dir: str, *,
     started_ray, cluster = connect(setup, namespace=namespace, address=address)
     try:
         for index in range(setup.repeat):
-            label = f"repeat {index + 1}/{setup.repeat}: " if setup.repeat > 1 else ""
+            label = f"repeat-{index} of {setup.repeat}: " if setup.repeat > 1 else ""
             for arm in setup.arms:
                 if progress:
                     progress(f"{label}arm {arm}: training {setup.num_workers} workers with the "
