@@ -26,8 +26,9 @@ def add_experiment_command(subparsers) -> None:
     p = subparsers.add_parser(
         "experiment", help="train twice under the same injected faults, guard observing and "
                            "guard acting, and compare them side by side",
-        description="Run the same training once per arm on a local Ray cluster (or the one "
-                    "ray.init() finds): same seed, data order and fault schedule. 'observe' "
+        description="Run the same training once per arm (--repeat N: N pairs, interleaved) "
+                    "on a local Ray cluster it starts, or on the cluster at --address (else "
+                    "RAY_ADDRESS): same seed, data order and fault schedule. 'observe' "
                     "measures and decides but applies nothing; 'act' is the guard as shipped. "
                     "Writes report.md and timeline.png to --out. Exit 0 when every arm ran "
                     "(whatever it did), 2 bad input, 1 when the experiment could not run.")
@@ -44,7 +45,18 @@ def add_experiment_command(subparsers) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--epochs", type=int, default=None, help="epochs (default 1)")
     length.add_argument("--steps", type=int, default=None, help="steps (instead of epochs)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the seed of the first pair of arms; pair i runs at seed + i")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="pairs of arms to run, interleaved (observe, act, observe, act, ...), "
+                        "each in <out>/repeat-<i>/; the report gives each figure's median and "
+                        "95 %% bootstrap interval over them (default 1: one run of each arm, "
+                        "in <out>/<arm>)")
+    p.add_argument("--address", default=None, metavar="ADDRESS",
+                   help="the Ray cluster to run on (e.g. 10.0.0.1:6379 or auto), as "
+                        "ray.init(address=...) takes it; default RAY_ADDRESS, else a local "
+                        "cluster the experiment starts and stops. On several nodes, --out must "
+                        "be a folder every node sees")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="each rank's card: simulated on CPU, a cap on CUDA (default for the "
                         "built-in model: 10MiB)")
@@ -95,7 +107,7 @@ def experiment_setup(args: argparse.Namespace) -> Any:
         num_workers=workers, nodes=nodes,
         epochs=positive_int(args.epochs, "--epochs") if args.epochs is not None else 1,
         max_steps=positive_int(args.steps, "--steps") if args.steps is not None else None,
-        seed=args.seed, strategy=args.strategy,
+        seed=args.seed, strategy=args.strategy, repeat=positive_int(args.repeat, "--repeat"),
         device_memory_bytes=size(args.device_memory, "--device-memory")
         if args.device_memory else None,
         device_step_ms=args.device_step_ms,
@@ -113,7 +125,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     try:
         # with --json, stdout carries the one object: what Ray prints goes to stderr meanwhile
         with _stdout_to_stderr() if args.json else contextlib.nullcontext():
-            result = runner.run_experiment(setup, out, progress=progress)
+            result = runner.run_experiment(setup, out, progress=progress, address=args.address)
     except InputError:
         raise
     except Exception as exc:  # noqa: BLE001 - the experiment itself could not run: exit 1

@@ -1,5 +1,6 @@
 """The experiment's report: ``report.md`` (the side-by-side table, one column per arm, the fault
-schedule, detections and decisions) and ``timeline.png``.
+schedule, detections and decisions) and ``timeline.png``; over several repeats, also their
+intervals and ``repeats.png`` (:mod:`~raytrain_guard.experiment.report_repeats`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from raytrain_guard.experiment import analysis
+from raytrain_guard.experiment import analysis, report_repeats
 from raytrain_guard.experiment.audit import NOT_AUDITED
 
 #: the rows of the side-by-side table: (label, key, format); an audit figure that is None
@@ -79,12 +80,16 @@ def format_text(result: Mapping[str, Any]) -> str:
             if d["applied"]:
                 out.append(f"{name}: {d['action']} at step {d['step']} on ranks {d['ranks']}: "
                            f"{d['reason']}")
+    out += report_repeats.repeats_text(result)
     return "\n".join(out)
 
 
 def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[str, list[str]]:
-    """``report.md`` and the plots in ``out_dir``; returns their paths."""
-    plots = [plot_timeline(out_dir, result["arms"], setup)]
+    """``report.md`` and the plots in ``out_dir`` (the timeline of the first repeat in its
+    folder); returns their paths."""
+    plots = [plot_timeline(setup.repeat_dir(out_dir, 0), result["arms"], setup)]
+    spread = report_repeats.plot_repeats(out_dir, result["arms"])
+    plots += [spread] if spread else []
     guard = setup.guard_config()
     lines = [
         "# raytrain-guard experiment", "",
@@ -103,6 +108,7 @@ def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[s
         (f"Memory watermark {guard.memory_watermark_frac:.0%}, critical "
          f"{guard.memory_critical_frac:.0%}."), "",
         "## Side by side", "", side_by_side(result["arms"]), "",
+        *report_repeats.repeats_section(result),
         "## Faults named", ""]
     for name, arm in result["arms"].items():
         for f in arm.get("fault_detection", ()):
@@ -130,8 +136,8 @@ def write_report(result: Mapping[str, Any], out_dir: str, setup: Any) -> tuple[s
                 effect = f" (predicted {d.get('predicted')}, measured {d.get('measured')})"
             lines.append(f"- {name}: {d['action']} at step {d['step']} on ranks {d['ranks']}"
                          f"{'' if d['applied'] else ' (not applied)'}: {d['reason']}{effect}")
-    lines += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})"
-                                      for p in plots]
+    lines += ["", "## Plots", ""] + [
+        f"![{os.path.basename(p)}]({os.path.relpath(p, out_dir)})" for p in plots]
     path = os.path.join(out_dir, "report.md")
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")

@@ -1,11 +1,15 @@
 """The before/after experiment: the same training with the guard observing and acting.
 
-:func:`run_experiment` runs one training per arm on the Ray cluster ``ray.init()`` finds (a local
-one by default), same seed, data order and fault schedule, each under
-``FailureConfig(max_failures)``: ``observe`` (the shared train loop with every measurement on
-and every action off) and ``act`` (the guard as shipped, with ``restart_after_stop``). It then
-reads what each arm's ranks wrote (:mod:`~raytrain_guard.experiment.analysis`) and writes
-``report.md`` and the plots (:mod:`~raytrain_guard.experiment.report`). Every folder the ranks
+:func:`run_experiment` runs one training per arm, same seed, data order and fault schedule,
+each under ``FailureConfig(max_failures)``: ``observe`` (the shared train loop with every
+measurement on and every action off) and ``act`` (the guard as shipped, with
+``restart_after_stop``); with ``repeat`` N, N pairs of them interleaved (observe, act, observe,
+act, ...), pair ``i`` at seed ``seed + i``. It runs on the Ray of this process when one is
+initialized, else on the cluster at ``address`` (or ``RAY_ADDRESS``), else on a local cluster it
+starts (:func:`connect`). It then reads what each arm's ranks wrote
+(:mod:`~raytrain_guard.experiment.analysis`), summarises the repeats
+(:mod:`~raytrain_guard.experiment.stats`) and writes ``report.md`` and the plots
+(:mod:`~raytrain_guard.experiment.report`). Every folder the ranks
 write to is made absolute in the driver: a Ray worker runs in its own working directory.
 """
 
@@ -20,12 +24,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError, one_line
-from raytrain_guard.experiment import analysis
+from raytrain_guard.experiment import analysis, stats
 from raytrain_guard.experiment.faults import FaultSpec
 from raytrain_guard.runtime.loop.config import REHEARSAL
 from raytrain_guard.units import MiB
@@ -47,6 +51,10 @@ BUILT_IN_DEVICE_STEP_MS = 50.0
 #: the observe arm's hang ends at the collective timeout, set short so that it ends at all
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 RAY_DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+#: Ray's own variable for the cluster to join; ``--address`` wins over it
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+#: addresses that mean "start a local cluster" (Ray's own word for it, and nothing)
+LOCAL_ADDRESSES = ("", "local")
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,7 @@ class ExperimentSetup:
     guard: Mapping[str, Any] = field(default_factory=dict)
     device_step_ms: float | None = None     # None: BUILT_IN_DEVICE_STEP_MS for the built-in job
     nodes: int = 1                          # Ray nodes on this machine, the workers spread
+    repeat: int = 1                         # pairs of arms, interleaved; pair i at seed + i
 
     @property
     def built_in(self) -> bool:
@@ -99,6 +108,9 @@ class ExperimentSetup:
                 raise InputError("--fault", f"rank {max(f.ranks)} of {f} is not below "
                                  f"--workers {self.num_workers}", value=str(f),
                                  fix=f"use ranks 0..{self.num_workers - 1}")
+        if not (isinstance(self.repeat, int) and self.repeat >= 1):
+            raise InputError("--repeat", "must be an integer >= 1", value=self.repeat,
+                             fix="e.g. --repeat 10 (1: one run of each arm)")
         memory_kinds = {"memory_growth", "activation_spike"}
         if self.device_step_ms is not None and not self.device_step_ms >= 0:
             raise InputError("--device-step-ms", "must be a number >= 0",
@@ -107,6 +119,21 @@ class ExperimentSetup:
         if any(f.kind in memory_kinds for f in self.faults) and not self.card_bytes():
             raise InputError("--device-memory", "memory faults need a card to overflow",
                              value=None, fix="pass --device-memory SIZE (e.g. 10MiB)")
+
+    def of_repeat(self, index: int) -> ExperimentSetup:
+        """The setup of pair ``index`` (from 0): the same but its seed, ``seed + index``, which
+        both arms of the pair share."""
+        return replace(self, seed=self.seed + index)
+
+    def repeat_dir(self, out_dir: str, index: int = 0) -> str:
+        """The folder of pair ``index``'s arms: ``<out>`` for one repeat, ``<out>/repeat-<index>``
+        for several."""
+        return out_dir if self.repeat == 1 else os.path.join(out_dir, f"repeat-{index}")
+
+    def arm_dir(self, out_dir: str, arm: str, index: int = 0) -> str:
+        """Where an arm of pair ``index`` writes: ``<out>/<arm>`` for one repeat,
+        ``<out>/repeat-<index>/<arm>`` for several."""
+        return os.path.join(self.repeat_dir(out_dir, index), arm)
 
     def device_step_s(self) -> float:
         """Device time per micro-batch (0: the model's real compute only)."""
@@ -187,54 +214,86 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
 
 def run_experiment(setup: ExperimentSetup, out_dir: str, *,
                    progress: Callable[[str], None] | None = None,
-                   namespace: str = "raytrain_guard") -> dict[str, Any]:
-    """Every arm, one after the other, then the report. Returns the ``--json`` object."""
+                   namespace: str = "raytrain_guard",
+                   address: str | None = None) -> dict[str, Any]:
+    """Every arm of every repeat, interleaved (observe, act, observe, act, ...), then the
+    report, on the Ray :func:`connect` gives. Returns the ``--json`` object."""
     from raytrain_guard.experiment.report import write_report
 
     setup.check()
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    arms: dict[str, Any] = {}
-    with experiment_ray(setup, namespace) as node_ids:
-        for arm in setup.arms:
-            if progress:
-                progress(f"arm {arm}: training {setup.num_workers} workers with the guard "
-                         + ("observing only" if arm == "observe" else "acting") + " ...")
-            t0 = time.perf_counter()
-            arms[arm] = run_arm(setup, arm, os.path.join(out_dir, arm), namespace=namespace,
-                                node_ids=node_ids)
-            if progress:
-                a = arms[arm]
-                progress(f"arm {arm}: {'completed' if a['completed'] else 'did not complete'}"
-                         f", {a['steps']}/{a['total_steps']} steps, {a['attempts']} attempt(s)"
-                         f" in {time.perf_counter() - t0:.0f} s"
-                         + (f"; {a['error']}" if a["error"] else ""))
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in setup.arms}
+    with experiment_ray(setup, namespace, address) as (node_ids, cluster):
+        for index in range(setup.repeat):
+            label = f"repeat-{index} of {setup.repeat}: " if setup.repeat > 1 else ""
+            for arm in setup.arms:
+                if progress:
+                    progress(f"{label}arm {arm}: training {setup.num_workers} workers with the "
+                             "guard " + ("observing only" if arm == "observe" else "acting")
+                             + " ...")
+                t0 = time.perf_counter()
+                a = run_arm(setup.of_repeat(index), arm, setup.arm_dir(out_dir, arm, index),
+                            namespace=namespace, node_ids=node_ids)
+                runs[arm].append(a)
+                if progress:
+                    progress(f"{label}arm {arm}: "
+                             f"{'completed' if a['completed'] else 'did not complete'}"
+                             f", {a['steps']}/{a['total_steps']} steps, {a['attempts']} "
+                             f"attempt(s) in {time.perf_counter() - t0:.0f} s"
+                             + (f"; {a['error']}" if a["error"] else ""))
+    if setup.repeat == 1:
+        arms = {arm: repeats[0] for arm, repeats in runs.items()}
+    else:
+        arms = stats.summarize_repeats(
+            runs, setup.faults, late_steps=detection_lateness(setup).cluster_steps)
     result = {"arms": arms, "faults": [str(f) for f in setup.faults], "node_ids": node_ids,
               "device": _device_line(setup), "step_model": step_model_line(setup),
-              "machine": machine_line()}
+              "machine": machine_line(), "cluster": cluster}
+    if setup.repeat > 1:
+        result["repeat"] = {"pairs": setup.repeat,
+                            "seeds": [setup.seed + i for i in range(setup.repeat)]}
     report, plots = write_report(result, out_dir, setup)
     result["report"], result["plots"] = report, plots
     return result
 
 
+def cluster_address(address: str | None = None) -> str | None:
+    """The cluster to join: ``address`` (``--address``), else ``RAY_ADDRESS``; None where
+    the one given names none (empty or ``local``) or neither is given: the experiment starts a
+    local cluster."""
+    for given in (address, os.environ.get(RAY_ADDRESS_ENV)):
+        if given is not None:
+            return None if given.strip() in LOCAL_ADDRESSES else given.strip()
+    return None
+
+
 @contextlib.contextmanager
-def experiment_ray(setup: ExperimentSetup, namespace: str) -> Iterator[list[str]]:
-    """Ray for the experiment; yields its nodes' ids, node 0 first. Ray already initialized
-    by the caller: its nodes, the driver's first. Otherwise a local cluster, stopped when the
-    block ends: one node (as ``ray.init()``), or with ``setup.nodes`` > 1 that many Ray nodes
-    on this machine (``ray.cluster_utils.Cluster``: the head and ``nodes - 1`` workers, each
-    with its own node id, raylet and CPUs for its share of the workers plus one)."""
+def experiment_ray(setup: ExperimentSetup, namespace: str, address: str | None = None
+                   ) -> Iterator[tuple[list[str], dict[str, Any]]]:
+    """Ray for the experiment; yields its nodes' ids, node 0 first, and the result's
+    ``cluster`` (where it ran, the ids of its alive nodes). Ray already initialized by the
+    caller: its nodes, the driver's first. Else the cluster at :func:`cluster_address`
+    (``ray.init(address=...)``: its own resources, none declared here; it lives on after).
+    Otherwise a local cluster, stopped when the block ends: one node (as ``ray.init()``), or
+    with ``setup.nodes`` > 1 that many Ray nodes on this machine (``ray.cluster_utils.Cluster``:
+    the head and ``nodes - 1`` workers, each with its own node id, raylet and CPUs for its
+    share of the workers plus one)."""
     import ray
 
     options = {"namespace": namespace, "log_to_driver": False, "logging_level": "error"}
+    joined = cluster_address(address)
     if ray.is_initialized():
-        yield _ordered_node_ids(setup.nodes)
+        yield _ordered_node_ids(setup.nodes), _cluster("this process's Ray")
         return
-    if setup.nodes == 1:
-        ray.init(address="local", num_cpus=max(4, setup.num_workers + 2),
-                 include_dashboard=False, **options)
+    if joined is not None or setup.nodes == 1:
+        if joined is not None:
+            ray.init(address=joined, **options)
+        else:
+            ray.init(address="local", num_cpus=max(4, setup.num_workers + 2),
+                     include_dashboard=False, **options)
         try:
-            yield [ray.get_runtime_context().get_node_id()]
+            yield _ordered_node_ids(setup.nodes), _cluster(joined or "local")
         finally:
             ray.shutdown()
         return
@@ -249,16 +308,22 @@ def experiment_ray(setup: ExperimentSetup, namespace: str) -> Iterator[list[str]
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, **options)
         try:
-            yield [n.node_id for n in nodes]
+            yield [n.node_id for n in nodes], _cluster(f"local, {setup.nodes} nodes")
         finally:
             ray.shutdown()
     finally:
         cluster.shutdown()
 
 
+def _cluster(where: str) -> dict[str, Any]:
+    import ray
+    return {"address": where,
+            "node_ids": sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))}
+
+
 def _ordered_node_ids(wanted: int) -> list[str]:
-    """The alive nodes of the cluster the caller started, the driver's first; InputError when
-    there are fewer than ``wanted``."""
+    """The alive nodes of the cluster, the driver's first; InputError when there are fewer
+    than ``wanted``."""
     import ray
     own = ray.get_runtime_context().get_node_id()
     alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
