@@ -174,9 +174,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("address", [f"127.0.0.1:{_free_port()}", "bogus:1"])
+@pytest.mark.parametrize("address", ["127.0.0.1:FREE", "bogus:1"])
 def test_status_cli_fails_fast_with_one_line_when_nothing_answers(address):
-    """Ray alone retries such an address for minutes; the CLI answers in seconds."""
+    """Ray alone retries such an address for minutes; the CLI answers in seconds. (The free
+    port is taken at run time: test ids must be the same in every pytest-xdist worker.)"""
+    address = address.replace("FREE", str(_free_port()))
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "raytrain_guard.cli", "status", "--address",
                            address], capture_output=True, text=True, timeout=120)
