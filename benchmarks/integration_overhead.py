@@ -21,8 +21,9 @@ of the last step (Ray Data: the batches of every epoch after the first, each epo
 first batch on, so the streaming split's start is left out), the mean of the ranks. Printed: each
 pair's arm/off ratio per example, and per example the median ratio with its range; the box's
 load average at each run's start. The goal is ``on`` at most 2 % slower (ratio >= 0.98).
-At the defaults, 18 runs: 16 minutes on the 2-core VM under a load of 7-39, most of it Ray
-Train's start of each run (docs/benchmarks.md, "Integrations: the guard's overhead").
+At the defaults, 18 runs: 8 minutes on the 2-core VM at a load of 2-5 (16 under a load of 7-39),
+most of it Ray Train's start of each run (docs/benchmarks.md, "Integrations: the guard's
+overhead").
 """
 
 from __future__ import annotations
