@@ -170,6 +170,12 @@ class GuardConfig:
     worker_memory_growth_bytes: int = _doc(
         64 * 1024**2, "Least growth of the workers' private memory over those samples that "
         "warns of copy-on-read. Default 64 MiB, above allocator warm-up.", 1)
+    ray_data_raise_wait_frac: float = _doc(
+        0.10, "An epoch of Ray Data batches (raytrain_guard.train.iter_torch_batches) that "
+        "waited for data more than this fraction of its time doubles prefetch_batches for the "
+        "next epoch, within max_prefetch_factor and the host budget (host_prefetch_frac). "
+        "Default 10 %, straggler_frac's: a data wait of a tenth of the step is what names a "
+        "rank a data straggler. 1: never raised.", 0.0, 1.0, lo_open=True)
 
     # -- cluster -----------------------------------------------------------------------------
     monitor_interval_s: float = _doc(

@@ -6,6 +6,8 @@
 One stopped run and its resume:
 
 * rank 1 is 3x slower in forward (a forward hook of this test): named the compute straggler;
+* a ``checkpoint`` decision at step 5 (injected where the guard answers ``should_checkpoint``)
+  saves and reports a checkpoint of step 5 through Ray's callback, and training goes on;
 * a stop requested from the driver sets ``trainer.should_stop`` on both ranks at the same
   agreement step; Ray's callback reports the checkpoint of that step;
 * the run resumed with ``ckpt_path`` continues from that step to the end, and the two runs
@@ -37,6 +39,7 @@ RAY_NAMESPACE = "rtg_test_lightning"
 RAY_NUM_CPUS = 4
 SAMPLES, BATCH, WORKERS, EPOCHS = 10240, 128, 2, 2
 STEPS_PER_EPOCH = SAMPLES // (BATCH * WORKERS)        # 40
+CHECKPOINT_AT = 5                                     # a checkpoint decision, without a stop
 
 BLOCKED = r"""
 import sys
@@ -86,6 +89,12 @@ def slowed_train_func(config):
 
     trainer = build_trainer(config)
     trainer.callbacks.append(Record())
+    if config.get("checkpoint_at"):
+        # a ``checkpoint`` decision applying at that step on every rank, as the boundary's
+        # lockstep delivers one (the coordinator issues them under memory pressure only)
+        guard = get_guard()
+        decided = guard.should_checkpoint
+        guard.should_checkpoint = lambda: guard.step == config["checkpoint_at"] or decided()
     model = Regressor(config["hidden"])
     if rank == 1 and config["slow"]:
         model.net.register_forward_pre_hook(start)
@@ -149,7 +158,8 @@ def test_lightning_is_guarded_stopped_and_resumed(ray_instance):
               "record_dir": records}
 
     start = time.perf_counter()
-    trainer = _trainer({**config, "attempt": 1, "slow": True}, storage)
+    trainer = _trainer({**config, "attempt": 1, "slow": True, "checkpoint_at": CHECKPOINT_AT},
+                       storage)
     stopper = StopWhenTraining(trainer)
     stopper.start()
     try:
@@ -170,6 +180,9 @@ def test_lightning_is_guarded_stopped_and_resumed(ray_instance):
     assert [r["global_step"] for r in run1] == [stopped[0]] * WORKERS
     assert first.checkpoint is not None
     assert first.metrics["step"] == stopped[0]          # Ray's callback: the stopped step
+    # the checkpoint decision: one more checkpoint, of that step, and training went on
+    steps = sorted(metrics["step"] for _, metrics in first.best_checkpoints)
+    assert steps == [CHECKPOINT_AT, stopped[0]], steps
 
     roles = {a["world_rank"]: a for a in report.attribution}
     assert roles[1]["role"] == "straggler_compute", roles

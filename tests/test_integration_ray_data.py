@@ -20,11 +20,7 @@ ray = pytest.importorskip("ray")
 from examples import ray_data
 from examples.ray_data import make_dataset, train_func
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.runtime.data.ray_batches import (
-    RAISE_AT_DATA_WAIT_FRAC,
-    fit_prefetch,
-    next_prefetch,
-)
+from raytrain_guard.runtime.data.ray_batches import fit_prefetch, next_prefetch
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -45,17 +41,47 @@ def test_given_prefetch_is_kept_or_lowered(given, batch, budget, expect, warned)
         assert "host_prefetch_frac 5% of host RAM per GPU" in warning
 
 
-@pytest.mark.parametrize("depth, wait, batch, budget, cap, expect", [
-    (1, 0.5, MiB, 100 * MiB, None, 2),       # waited 50 % > 10 %: doubled
-    (2, 0.05, MiB, 100 * MiB, None, 2),      # 5 %: kept
-    (4, 0.5, MiB, 100 * MiB, None, 8),       # doubled to max_prefetch_factor 8
-    (8, 0.5, MiB, 100 * MiB, None, 8),       # not past it
-    (2, 0.5, 30 * MiB, 100 * MiB, None, 3),  # budget: 100 // 30 = 3
-    (2, 0.5, MiB, 100 * MiB, 3, 3),          # a SET_PREFETCH cap
+@pytest.mark.parametrize("depth, wait, batch, budget, cap, raise_at, expect", [
+    (1, 0.5, MiB, 100 * MiB, None, None, 2),       # waited 50 % > 10 % (the default): doubled
+    (2, 0.05, MiB, 100 * MiB, None, None, 2),      # 5 %: kept
+    (2, 0.12, MiB, 100 * MiB, None, None, 4),      # 12 % > 10 %: doubled
+    (2, 0.12, MiB, 100 * MiB, None, 0.2, 2),       # ray_data_raise_wait_frac 0.2: kept
+    (2, 0.5, MiB, 100 * MiB, None, 1.0, 2),        # 1: never raised
+    (4, 0.5, MiB, 100 * MiB, None, None, 8),       # doubled to max_prefetch_factor 8
+    (8, 0.5, MiB, 100 * MiB, None, None, 8),       # not past it
+    (2, 0.5, 30 * MiB, 100 * MiB, None, None, 3),  # budget: 100 // 30 = 3
+    (2, 0.5, MiB, 100 * MiB, 3, None, 3),          # a SET_PREFETCH cap
 ])
-def test_depth_rises_after_an_epoch_that_waited(depth, wait, batch, budget, cap, expect):
-    assert next_prefetch(depth, wait, batch, budget, GuardConfig(), cap) == expect
-    assert RAISE_AT_DATA_WAIT_FRAC == 0.10
+def test_depth_rises_after_an_epoch_that_waited(depth, wait, batch, budget, cap, raise_at,
+                                                expect):
+    config = GuardConfig() if raise_at is None else GuardConfig(ray_data_raise_wait_frac=raise_at)
+    assert next_prefetch(depth, wait, batch, budget, config, cap) == expect
+
+
+class ListShard:
+    """Four batches an epoch, as a shard's ``iter_torch_batches`` yields them."""
+
+    def iter_torch_batches(self, prefetch_batches, **kwargs):
+        import torch
+        return iter([{"x": torch.zeros(64, 32)}] * 4)
+
+
+def test_the_summary_prints_ray_datas_prefetch_not_a_dataloaders():
+    from raytrain_guard.cluster.summary import loader_settings
+    from raytrain_guard.runtime.data.ray_batches import GuardedBatches
+
+    ticks = iter(range(10**6))       # every clock read 1 s later: half of each step is waiting
+    batches = GuardedBatches(ListShard(), config=GuardConfig(), host_memory_bytes=16 * 2**30,
+                             gpus_per_node=1, clock=lambda: float(next(ticks)), batch_size=64,
+                             prefetch_batches=2)
+    for _ in range(2):
+        list(batches)
+    # 64 x 32 float32 = 8 KiB a batch; budget 5 % of 16 GiB = 819.2 MiB; 2 -> 4 -> 8
+    assert loader_settings(batches.settings()) == (
+        "Ray Data prefetch_batches 8 (epochs ran at 2, 4), batch 8.0 KiB, host budget 819.2 MiB")
+    assert loader_settings({"num_workers": 2, "prefetch_factor": 4,
+                            "persistent_workers": True}) == \
+        "num_workers 2 prefetch_factor 4 persistent_workers True"
 
 
 def test_slow_pipeline_is_named_data_and_prefetch_rises(ray_instance):
@@ -77,6 +103,8 @@ def test_slow_pipeline_is_named_data_and_prefetch_rises(ray_instance):
     report = result.guard
     print(report.format())
     assert result.error is None, result.error
+    assert "Ray Data prefetch_batches" in report.format()
+    assert "prefetch_factor None" not in report.format()
     # the slow steps are named data (the rank that waits less waits in the allreduce instead)
     slow = [d for rank in report.ranks for d in rank["decisions"] if d["action"] == "slow_step"]
     print([(d["world_rank"], d["cause"], d["applied_at"]) for d in slow])

@@ -11,9 +11,12 @@ One stopped run and its resume carry the Ray checks:
 * a stop requested from the driver ends both ranks at the same step, an agreement step, with a
   Hugging Face checkpoint of that step reported to Ray;
 * the run resumed from that checkpoint trains the rest, and the two runs together train every
-  sample exactly once.
+  sample exactly once; that run's host is given 360 KiB of RAM (the figure the loader rule
+  reads), and its ``dataloader_prefetch_factor=4`` is lowered to the budget, the warning naming
+  the rule and the figures.
 
-Without Ray: the loader rule's figures, and the one-line error without transformers.
+Without Ray: the loader rule's figures, the batch plan for a global batch, and the one-line error
+without transformers.
 """
 
 from __future__ import annotations
@@ -78,6 +81,49 @@ def test_default_workers_are_sized_by_the_guard():
     assert fit.lowered == ()
 
 
+# -- the batch plan (the planner on the traced model, no Ray) -------------------------------------
+
+def _one_sample():
+    import torch
+    ids = torch.zeros(1, hf_trainer.SEQ, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("memory_mib, micro, accum, fits", [
+    # the traced GPT-2 of examples/hf_trainer.py, fp32 AdamW: static 2.6-3.2 MiB, activations
+    # ~0.7 MiB a sample, reserve 1 GiB (CUDA context); budget 85 % of the card (15 % headroom)
+    (1250, 32, 1, True),      # 1062.5 MiB budget: the per-rank 32 fits (1.0 GiB + 25 MiB)
+    (1230, 16, 2, True),      # 1045.5 MiB: 32 does not, 16 does (activations 11.5 MiB)
+    (1220, 8, 4, True),       # 1037 MiB: 8 (activations 6.0 MiB)
+    (1210, 1, 32, False),     # 1028.5 MiB: not even 1 (over by 56.4 KiB)
+])
+def test_batch_plan_splits_the_global_batch_into_what_fits(memory_mib, micro, accum, fits):
+    from raytrain_guard.integrations.transformers import plan_batch_size
+
+    planned = plan_batch_size(hf_trainer.make_model, _one_sample, global_batch=64,
+                              num_workers=2, use_gpu=True,
+                              device_memory_bytes=memory_mib * 2**20)
+    assert (planned.per_device_train_batch_size, planned.gradient_accumulation_steps,
+            planned.fits) == (micro, accum, fits)
+    assert micro * accum * 2 == 64
+    assert planned.training_args() == {"per_device_train_batch_size": micro,
+                                       "gradient_accumulation_steps": accum}
+    assert planned.reason.startswith(f"micro_batch {micro} x grad_accum {accum} x 2 workers "
+                                     "= 64 (asked 64); " + ("fits" if fits else "DOES NOT FIT"))
+
+
+def test_batch_plan_for_a_gpu_needs_its_memory():
+    from raytrain_guard.errors import InputError
+    from raytrain_guard.integrations.transformers import plan_batch_size
+
+    with pytest.raises(InputError, match="device_memory_bytes"):
+        plan_batch_size(hf_trainer.make_model, _one_sample, global_batch=64, num_workers=2,
+                        use_gpu=True)
+    with pytest.raises(InputError, match="global_batch"):
+        plan_batch_size(hf_trainer.make_model, _one_sample, global_batch=0, num_workers=2,
+                        use_gpu=True, device_memory_bytes=2**30)
+
+
 # -- the missing framework -------------------------------------------------------------------------
 
 BLOCKED = r"""
@@ -116,6 +162,9 @@ def slowed_train_func(config):
 
     from raytrain_guard.train import get_guard
 
+    if config.get("host_memory_bytes"):        # this worker's host RAM, as the loader rule reads it
+        from raytrain_guard.integrations import trainer_loader
+        trainer_loader.host_memory = lambda: (config["host_memory_bytes"],) * 2
     trainer = build_trainer(config)
     rank = ray.train.get_context().get_world_rank()
     seen: list[int] = []
@@ -227,15 +276,27 @@ def test_trainer_is_guarded_stopped_and_resumed_exactly_once(ray_instance):
             (1, 4, []), loader
         assert loader["batches"] == stopped[0]
 
-    # the same run again: it resumes from that checkpoint and trains the rest
-    second = _fit({**config, "attempt": 2, "slow": False}, storage).fit()
-    print(f"both runs {time.perf_counter() - start:.1f} s")
+    # the same run again on a host of 360 KiB: it resumes from that checkpoint and trains the
+    # rest, the Trainer's loader lowered to that host's budget
+    second = _fit({**config, "attempt": 2, "slow": False, "host_memory_bytes": 360 * 1024},
+                  storage).fit()
+    print(second.guard.format(), f"\nboth runs {time.perf_counter() - start:.1f} s")
     assert second.error is None, second.error
+    # a batch: input_ids and labels, 8 x 32 int64 = 4 KiB; budget 5 % x 360 KiB / 2 ranks
+    # = 9 KiB: 1 worker x 4 x 4 KiB = 16 KiB is over, 9 // 4 = prefetch_factor 2
+    for loader in second.guard.loaders:
+        assert (loader["num_workers"], loader["prefetch_factor"]) == (1, 2), loader
+        assert loader["lowered"] == [LOWERED], loader
     run2 = [_read(os.path.join(records, f"2-{r}.json")) for r in range(WORKERS)]
     assert [r["global_step"] for r in run2] == [STEPS] * WORKERS
     assert all(len(r["ids"]) == stopped[0] * BATCH for r in run1)
     trained = sorted(i for run in (run1, run2) for r in run for i in r["ids"])
     assert trained == list(range(SAMPLES))      # every sample once, none twice
+
+
+LOWERED = ("prefetch_factor 4 lowered to 2: 1 workers x prefetch_factor 4 x 4.0 KiB per batch "
+           "= 16.0 KiB in flight exceed the host prefetch budget of 9.0 KiB (rule: "
+           "host_prefetch_frac 5% of host RAM per GPU); 1 x 2 x 4.0 KiB = 8.0 KiB fits")
 
 
 def _read(path: str) -> dict:

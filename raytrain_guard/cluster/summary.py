@@ -11,6 +11,7 @@ from typing import Any
 
 from raytrain_guard.core.decisions import Action
 from raytrain_guard.runtime.dropin.summary import combine_summaries
+from raytrain_guard.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -185,15 +186,27 @@ class GuardReport:
                                     f"{len(self.worker_failures)}, reports {self.num_reports})")]
         for rank, loader in enumerate(self.loaders):
             if loader:
-                lines.append(f"  loader {rank:<5} num_workers {loader['num_workers']} "
-                             f"prefetch_factor {loader['prefetch_factor']} persistent_workers "
-                             f"{loader['persistent_workers']}, data wait "
+                lines.append(f"  loader {rank:<5} {loader_settings(loader)}, data wait "
                              f"{loader.get('data_wait_frac') or 0:.1%}")
                 lines += [f"    - lowered: {w}" for w in loader.get("lowered") or ()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def loader_settings(loader: Mapping[str, Any]) -> str:
+    """A rank's loader settings as the summary prints them: a torch DataLoader's workers and
+    ``prefetch_factor``, or Ray Data's ``prefetch_batches`` (per epoch when it changed) within
+    the host budget."""
+    if loader.get("source") != "ray_data":
+        return (f"num_workers {loader['num_workers']} prefetch_factor "
+                f"{loader['prefetch_factor']} persistent_workers {loader['persistent_workers']}")
+    depths = [e["prefetch_batches"] for e in loader.get("epochs") or ()]
+    by_epoch = f" (epochs ran at {', '.join(map(str, depths))})" if len(set(depths)) > 1 else ""
+    return (f"Ray Data prefetch_batches {loader['prefetch_batches']}{by_epoch}, batch "
+            f"{format_bytes(loader.get('batch_bytes') or 0)}, host budget "
+            f"{format_bytes(loader.get('budget_bytes') or 0)}")
 
 
 def build_report(run_id: str, status: Mapping[str, Any], summaries: Mapping[int, Any],

@@ -16,7 +16,13 @@ with Ray's ``RayDDPStrategy``, ``RayLightningEnvironment`` and ``prepare_trainer
 - a stop (``TorchTrainer.request_stop``, a CHECKPOINT_AND_STOP decision) sets
   ``trainer.should_stop`` at the step every rank agreed on; Ray's ``RayTrainReportCallback``
   then saves and reports the checkpoint at the epoch's end (Lightning ends the epoch there).
-  Resume with ``trainer.fit(model, ckpt_path=...)``: the guard counts from the restored step.
+  Resume with ``trainer.fit(model, ckpt_path=...)``: the guard counts from the restored step;
+- a ``checkpoint`` decision (no stop) saves and reports a checkpoint at the agreed step through
+  Ray's ``RayTrainReportCallback`` of the trainer, as it does at an epoch's end (the same
+  ``checkpoint.ckpt`` layout, ``ray.train.report`` on every rank at the same step), and
+  training goes on. Lightning has no "save now" signal of its own for a callback to set (the
+  ``ModelCheckpoint`` triggers are steps, epochs or times fixed in advance), so without Ray's
+  callback the decision is logged once and not honoured.
 
 ``RayFSDPStrategy`` is Lightning's FSDP1 and needs CUDA: not checked on gloo/CPU here.
 docs/integrations.md.
@@ -51,7 +57,7 @@ class GuardCallback(_pl.Callback):
         self._guard = guard
         self._clock = StepClock()
         self.loader: Any = None
-        self._stop_logged = False
+        self._stop_logged = self._checkpoint_logged = False
 
     @property
     def guard(self) -> Any:
@@ -104,6 +110,26 @@ class GuardCallback(_pl.Callback):
                 self._stop_logged = True
                 logger.warning("rank %s step %d: checkpoint and stop: %s", guard.rank,
                                trainer.global_step, guard.stop_reason)
+        elif guard.should_checkpoint():
+            self._checkpoint(trainer, pl_module)
+
+    def _checkpoint(self, trainer: Any, pl_module: Any) -> None:
+        """A ``checkpoint`` decision at this step (the same on every rank): Ray's callback saves
+        and reports one now, as at an epoch's end."""
+        from ray.train.lightning import RayTrainReportCallback  # imports lightning: after require
+
+        reporter = next((c for c in trainer.callbacks
+                         if isinstance(c, RayTrainReportCallback)), None)
+        if reporter is None:
+            if not self._checkpoint_logged:
+                self._checkpoint_logged = True
+                logger.warning("rank %s step %d: a checkpoint decision is not honoured: the "
+                               "trainer has no ray.train.lightning.RayTrainReportCallback to "
+                               "save and report it", self.guard.rank, trainer.global_step)
+            return
+        logger.info("rank %s step %d: checkpoint (a guard decision)", self.guard.rank,
+                    trainer.global_step)
+        reporter.on_train_epoch_end(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
         self._paused()

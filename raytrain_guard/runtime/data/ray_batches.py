@@ -10,7 +10,7 @@ The rules:
   then sized by the run.
 - Between epochs (a shard's iterator cannot be restarted mid-epoch: every rank starts an epoch
   of a streaming split together): an epoch that waited for data more than
-  :data:`RAISE_AT_DATA_WAIT_FRAC` (10 %) of its time doubles the depth, never past
+  ``ray_data_raise_wait_frac`` (10 %) of its time doubles the depth, never past
   ``max_prefetch_factor`` or the budget; a SET_PREFETCH decision caps it.
 - Each batch's wait ends the step's ``data`` phase (:meth:`time_steps`, the step guard's
   ``before_fetch``/``after_fetch``): a slow pipeline shows as data in the gate and the summary.
@@ -31,10 +31,6 @@ from raytrain_guard.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-#: an epoch waiting for data more than this fraction of its time raises the prefetch depth
-RAISE_AT_DATA_WAIT_FRAC = 0.10
-
-
 def fit_prefetch(prefetch_batches: int, batch_bytes: int, budget_bytes: int,
                  config: GuardConfig) -> tuple[int, str | None]:
     """``(prefetch_batches, warning)``: kept when ``prefetch_batches x batch_bytes`` fits
@@ -52,12 +48,12 @@ def fit_prefetch(prefetch_batches: int, batch_bytes: int, budget_bytes: int,
 def next_prefetch(prefetch_batches: int, data_wait_frac: float, batch_bytes: int,
                   budget_bytes: int, config: GuardConfig, cap: int | None = None) -> int:
     """The next epoch's depth (pure): doubled after an epoch that waited for data more than
-    :data:`RAISE_AT_DATA_WAIT_FRAC` of its time, within ``max_prefetch_factor``, the budget and
+    ``config.ray_data_raise_wait_frac`` of its time, within ``max_prefetch_factor``, the budget and
     ``cap`` (a SET_PREFETCH decision's)."""
     ceiling = min(config.max_prefetch_factor, max(1, budget_bytes // max(1, batch_bytes)))
     if cap is not None:
         ceiling = min(ceiling, cap)
-    wanted = prefetch_batches * 2 if data_wait_frac > RAISE_AT_DATA_WAIT_FRAC \
+    wanted = prefetch_batches * 2 if data_wait_frac > config.ray_data_raise_wait_frac \
         else prefetch_batches
     return max(1, min(wanted, ceiling))
 
@@ -102,8 +98,9 @@ class GuardedBatches:
         self._cap = prefetch
 
     def settings(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "num_workers": 0, "prefetch_factor": None,
-                "prefetch_batches": self.prefetch_batches, "persistent_workers": False,
+        return {"source": "ray_data", "batch_size": self.batch_size, "num_workers": 0,
+                "prefetch_factor": None, "prefetch_batches": self.prefetch_batches,
+                "persistent_workers": False,
                 "multiprocessing_context": None, "world_size": None,
                 "budget_bytes": self.budget_bytes, "batch_bytes": self.batch_bytes,
                 "reason": "Ray Data iter_torch_batches", "lowered": list(self.lowered),
@@ -166,7 +163,7 @@ class GuardedBatches:
             logger.info("rank %d: Ray Data prefetch_batches %d -> %d: the epoch waited %.0f%% "
                         "of its time for data (raised above %.0f%%), %d x %s within the host "
                         "budget of %s", self.world_rank, self.prefetch_batches, depth,
-                        100 * frac, 100 * RAISE_AT_DATA_WAIT_FRAC, depth,
+                        100 * frac, 100 * self.config.ray_data_raise_wait_frac, depth,
                         format_bytes(self.batch_bytes), format_bytes(self.budget_bytes))
             self.prefetch_batches = depth
 
