@@ -284,7 +284,9 @@ def test_converted_script_runs_guarded(ray_with_dashboard):
                    "ray_raytrain_guard_rank_memory_frac"):
         assert _labelled(watcher.metrics, metric, RUN_NAME) == {"0", "1"}, metric
     ray_own = _labelled(watcher.metrics, "ray_train_report_total_blocked_time_s", RUN_NAME)
-    assert ray_own in (set(), {"0", "1"})     # when Ray Train exported its own: they join
+    # Ray Train's own series, where it had exported them when the watcher scraped (a rank's
+    # may come a report later), carry the same labels: they join
+    assert ray_own <= {"0", "1"}
     print("Ray Train's own series with the same labels:", sorted(ray_own))
 
     # the slow rank is attributed, with its reason
