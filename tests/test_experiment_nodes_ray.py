@@ -47,12 +47,14 @@ def test_a_slow_node_is_named_as_that_node_and_slows_only_its_rank(tmp_path):
     started_on = {rank: {r["node_id"] for r in records if r.get("t") == "start"}
                   for rank, records in traces.items()}
     assert started_on[slow_rank] == {node_ids[1]} and started_on[1 - slow_rank] == {node_ids[0]}
-    # the slowed rank's own compute (forward + backward, no waiting) from step 5 on: 3x
+    # the slowed rank's own compute (forward + backward, no waiting) from step 5 on: x3 adds
+    # 100 ms of waited device time (2 x 50 ms); half of it stands clear of a loaded box's
+    # noise, which stretches the other rank's compute too (a ratio of 2 did not, at load 5)
     compute = {rank: sorted(r["compute_s"] for r in records
                             if r.get("t") == "step" and r["step"] >= 5)
                for rank, records in traces.items()}
     median = {rank: values[len(values) // 2] for rank, values in compute.items()}
-    assert median[slow_rank] > 2 * median[1 - slow_rank], median
+    assert median[slow_rank] - median[1 - slow_rank] > 0.05, median
 
     named = act["fault_detection"][0]
     assert named["node_index"] == 1 and named["ranks"] == [slow_rank], named

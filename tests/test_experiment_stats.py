@@ -12,9 +12,10 @@ import pytest
 
 from raytrain_guard.experiment import stats
 from raytrain_guard.experiment.faults import parse_fault
+from raytrain_guard.experiment.ray_cluster import cluster_address
 from raytrain_guard.experiment.report import format_text
 from raytrain_guard.experiment.report_repeats import plot_repeats, repeats_section
-from raytrain_guard.experiment.runner import ExperimentSetup, cluster_address
+from raytrain_guard.experiment.runner import ExperimentSetup
 
 FAULT = parse_fault("slow_compute:rank=1,start=40,stop=60,factor=2", world_size=2)
 SPEC = str(FAULT)

@@ -25,6 +25,7 @@ from typing import Any
 from raytrain_guard.core.hang import HangRecord, name_hung_rank
 from raytrain_guard.core.stats import nearest_rank
 from raytrain_guard.errors import GuardError
+from raytrain_guard.experiment.attempts import attempt_spans, error_line, first_error_per_attempt
 from raytrain_guard.experiment.audit import audit_arm, lost_steps
 from raytrain_guard.experiment.faults import FaultSpec
 
@@ -249,10 +250,10 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     step_time = sum(r["total_s"] for r in rank0_steps)
     return {
         "completed": completed,
-        "error": None if completed else (_error_line(errors) or launch_error),
-        "attempt_errors": [_error_line([e]) for e in _first_error_per_attempt(errors)],
+        "error": None if completed else (error_line(errors) or launch_error),
+        "attempt_errors": [error_line([e]) for e in first_error_per_attempt(errors)],
         "attempts": len(starts),
-        "attempt_spans": _attempt_spans(starts, errors),
+        "attempt_spans": attempt_spans(starts, errors),
         "steps": steps_done, "total_steps": total_steps,
         "lost_steps": lost_steps(audit0) if audit.audited else None,
         **audit.to_dict(),
@@ -325,49 +326,6 @@ def _wait_frac(steps: Sequence[Mapping[str, Any]]) -> float | None:
     """Data wait over step time, summed over ``steps`` (None for none)."""
     total = sum(r["total_s"] for r in steps)
     return round(sum(r.get("data_wait_s", 0.0) for r in steps) / total, 4) if total else None
-
-
-def _error_line(errors: Sequence[Mapping[str, Any]]) -> str | None:
-    """``OutOfMemoryError on rank 1 at step 31`` for the error that caused the last attempt
-    that failed to fail (:func:`_first_error_per_attempt`)."""
-    if not errors:
-        return None
-    first = _first_error_per_attempt(errors)[-1]
-    rank = first.get("_rank", first.get("world_rank", "?"))
-    return f"{first.get('error')} on rank {rank} at step {first.get('step')}"
-
-
-def _attempt_spans(starts: Sequence[Mapping[str, Any]], errors: Sequence[Mapping[str, Any]]
-                   ) -> list[dict[str, Any]]:
-    """Per attempt of rank 0, in the order they started: the step it started from
-    (``start_step``, its checkpoint's) and, where it failed, the error that made it fail
-    (:func:`_first_error_per_attempt`): its short name, rank and step (the step that raised:
-    the steps finished before it) and, for an out-of-memory error that recorded them, the
-    fraction of the card the failed allocation would have filled (``needed_frac``)."""
-    causes = {e.get("_try", -1): e for e in _first_error_per_attempt(errors)}
-    out = []
-    for i, s in enumerate(sorted(starts, key=lambda r: r["wall"])):
-        e = causes.get(i)
-        needed, capacity = (e or {}).get("needed_bytes"), (e or {}).get("capacity_bytes")
-        out.append({"attempt": i, "start_step": int(s.get("resumed_from") or 0),
-                    "error": e and e.get("error"), "error_rank": e and e.get("_rank"),
-                    "error_step": e and e.get("step"),
-                    "needed_frac": round(needed / capacity, 4) if needed and capacity else None})
-    return out
-
-
-#: errors a rank raises because another rank failed first
-_CONSEQUENCES = ("DistBackendError", "RuntimeError", "KeyboardInterrupt", "SystemExit")
-
-
-def _first_error_per_attempt(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Per attempt, in order, the error that caused it to fail: the earliest of its ranks'
-    errors that is not a consequence of another rank's (a broken collective)."""
-    groups: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
-    for e in errors:
-        groups[e.get("_try", -1)].append(e)
-    return [min(groups[t], key=lambda e: (e.get("error") in _CONSEQUENCES, e["wall"]))
-            for t in sorted(groups)]
 
 
 def _merged(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -4,7 +4,8 @@ A spec is written ``KIND:key=value,...`` (``slow_compute:rank=1,start=25,factor=
 kind takes ``rank`` (or ``ranks=0+1``), ``start`` (the step it begins at) and an optional
 ``stop`` (the first step without it). ``slow_compute``, ``comm_delay`` and ``host_memory`` take
 ``node=K`` instead of ranks: every rank placed on the experiment's node K (0..nodes-1, in the
-order the driver started them), known only once the ranks run. What each kind rehearses and where it is injected:
+order the driver started them), known only once the ranks run. What each kind rehearses and
+where it is injected:
 docs/experiment.md ("Faults"). ``crash`` and ``hang`` are transient, as a lost node or a wedged
 driver is: they fire once per run, so a restarted group trains on.
 """
@@ -48,7 +49,8 @@ def _positive_int(text: str) -> int:
 
 KINDS: Mapping[str, FaultKind] = {
     "comm_delay": FaultKind({"seconds": (_above(0), None)},
-                            "comm_delay:rank=1,start=20,seconds=0.02", "communication", by_node=True),
+                            "comm_delay:rank=1,start=20,seconds=0.02", "communication",
+                            by_node=True),
     "slow_compute": FaultKind({"factor": (_above(1), None)},
                               "slow_compute:rank=1,start=25,factor=2.5", "compute", by_node=True),
     "slow_data": FaultKind({"seconds": (_above(0), None)},

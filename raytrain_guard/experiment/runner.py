@@ -6,8 +6,8 @@ measurement on and every action off) and ``act`` (the guard as shipped, with
 ``restart_after_stop``); with ``repeat`` N, N pairs of them interleaved (observe, act, observe,
 act, ...), pair ``i`` at seed ``seed + i``. It runs on the Ray of this process when one is
 initialized, else on the cluster at ``address`` (or ``RAY_ADDRESS``), else on a local cluster it
-starts (:func:`connect`). It then reads what each arm's ranks wrote
-(:mod:`~raytrain_guard.experiment.analysis`), summarises the repeats
+starts (:mod:`~raytrain_guard.experiment.ray_cluster`). It then reads what each arm's ranks
+wrote (:mod:`~raytrain_guard.experiment.analysis`), summarises the repeats
 (:mod:`~raytrain_guard.experiment.stats`) and writes ``report.md`` and the plots
 (:mod:`~raytrain_guard.experiment.report`). Every folder the ranks
 write to is made absolute in the driver: a Ray worker runs in its own working directory.
@@ -15,7 +15,6 @@ write to is made absolute in the driver: a Ray worker runs in its own working di
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import platform
@@ -23,7 +22,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,6 +30,7 @@ from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError, one_line
 from raytrain_guard.experiment import analysis, stats
 from raytrain_guard.experiment.faults import FaultSpec
+from raytrain_guard.experiment.ray_cluster import experiment_ray
 from raytrain_guard.runtime.loop.config import REHEARSAL
 from raytrain_guard.units import MiB
 
@@ -51,10 +51,6 @@ BUILT_IN_DEVICE_STEP_MS = 50.0
 #: the observe arm's hang ends at the collective timeout, set short so that it ends at all
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 RAY_DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
-#: Ray's own variable for the cluster to join; ``--address`` wins over it
-RAY_ADDRESS_ENV = "RAY_ADDRESS"
-#: addresses that mean "start a local cluster" (Ray's own word for it, and nothing)
-LOCAL_ADDRESSES = ("", "local")
 
 
 @dataclass(frozen=True)
@@ -217,7 +213,7 @@ def run_experiment(setup: ExperimentSetup, out_dir: str, *,
                    namespace: str = "raytrain_guard",
                    address: str | None = None) -> dict[str, Any]:
     """Every arm of every repeat, interleaved (observe, act, observe, act, ...), then the
-    report, on the Ray :func:`connect` gives. Returns the ``--json`` object."""
+    report, on the Ray :func:`experiment_ray` gives. Returns the ``--json`` object."""
     from raytrain_guard.experiment.report import write_report
 
     setup.check()
@@ -256,82 +252,6 @@ def run_experiment(setup: ExperimentSetup, out_dir: str, *,
     report, plots = write_report(result, out_dir, setup)
     result["report"], result["plots"] = report, plots
     return result
-
-
-def cluster_address(address: str | None = None) -> str | None:
-    """The cluster to join: ``address`` (``--address``), else ``RAY_ADDRESS``; None where
-    the one given names none (empty or ``local``) or neither is given: the experiment starts a
-    local cluster."""
-    for given in (address, os.environ.get(RAY_ADDRESS_ENV)):
-        if given is not None:
-            return None if given.strip() in LOCAL_ADDRESSES else given.strip()
-    return None
-
-
-@contextlib.contextmanager
-def experiment_ray(setup: ExperimentSetup, namespace: str, address: str | None = None
-                   ) -> Iterator[tuple[list[str], dict[str, Any]]]:
-    """Ray for the experiment; yields its nodes' ids, node 0 first, and the result's
-    ``cluster`` (where it ran, the ids of its alive nodes). Ray already initialized by the
-    caller: its nodes, the driver's first. Else the cluster at :func:`cluster_address`
-    (``ray.init(address=...)``: its own resources, none declared here; it lives on after).
-    Otherwise a local cluster, stopped when the block ends: one node (as ``ray.init()``), or
-    with ``setup.nodes`` > 1 that many Ray nodes on this machine (``ray.cluster_utils.Cluster``:
-    the head and ``nodes - 1`` workers, each with its own node id, raylet and CPUs for its
-    share of the workers plus one)."""
-    import ray
-
-    options = {"namespace": namespace, "log_to_driver": False, "logging_level": "error"}
-    joined = cluster_address(address)
-    if ray.is_initialized():
-        yield _ordered_node_ids(setup.nodes), _cluster("this process's Ray")
-        return
-    if joined is not None or setup.nodes == 1:
-        if joined is not None:
-            ray.init(address=joined, **options)
-        else:
-            ray.init(address="local", num_cpus=max(4, setup.num_workers + 2),
-                     include_dashboard=False, **options)
-        try:
-            yield _ordered_node_ids(setup.nodes), _cluster(joined or "local")
-        finally:
-            ray.shutdown()
-        return
-    from ray.cluster_utils import Cluster
-
-    cpus = -(-setup.num_workers // setup.nodes) + 1
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": cpus, "include_dashboard": False})
-    try:
-        nodes = [cluster.head_node] + [cluster.add_node(num_cpus=cpus)
-                                       for _ in range(setup.nodes - 1)]
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, **options)
-        try:
-            yield [n.node_id for n in nodes], _cluster(f"local, {setup.nodes} nodes")
-        finally:
-            ray.shutdown()
-    finally:
-        cluster.shutdown()
-
-
-def _cluster(where: str) -> dict[str, Any]:
-    import ray
-    return {"address": where,
-            "node_ids": sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))}
-
-
-def _ordered_node_ids(wanted: int) -> list[str]:
-    """The alive nodes of the cluster, the driver's first; InputError when there are fewer
-    than ``wanted``."""
-    import ray
-    own = ray.get_runtime_context().get_node_id()
-    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-    ordered = [own] + [n for n in alive if n != own]
-    if len(ordered) < wanted:
-        raise InputError("--nodes", f"the Ray cluster found has {len(ordered)} alive node(s)",
-                         value=wanted, fix=f"use --nodes {len(ordered)} or fewer, or add nodes")
-    return ordered
 
 
 def _num_samples(setup: ExperimentSetup) -> int | None:

@@ -153,9 +153,9 @@ def delay_key(fault: str) -> str:
 
 def arm_stats(repeats: Sequence[Mapping[str, Any]], faults: Sequence[Any], *,
               late_steps: int) -> dict[str, dict[str, Any]]:
-    """``{metric: {"median", "low", "high", "n", "values"}}`` of one arm over its repeats: :data:`METRICS`,
-    each fault's detection delay in steps (over the repeats that named it: ``n`` of them) and
-    the false events per 1000 clean steps. A metric no repeat has is left out."""
+    """``{metric: {"median", "low", "high", "n", "values"}}`` of one arm over its repeats:
+    :data:`METRICS`, each fault's detection delay in steps (over the repeats that named it:
+    ``n`` of them) and the false events per 1000 clean steps. A metric no repeat has is left out."""
     series: dict[str, list[float]] = {key: [arm[name] for arm in repeats
                                             if arm.get(name) is not None]
                                       for key, name in METRICS}
