@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
@@ -32,6 +31,7 @@ pytest.importorskip("lightning")
 from examples import lightning_trainer
 from examples.lightning_trainer import Regressor, build_trainer, fit, make_loader
 from raytrain_guard.config import GuardConfig
+from stop_when_training import StopWhenTraining
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -108,33 +108,6 @@ def slowed_train_func(config):
                        "stopped_at": get_guard().stopped_at}, f)
 
 
-class StopWhenTraining(threading.Thread):
-    """Asks the run to stop once the coordinator has seen 10 steps."""
-
-    def __init__(self, trainer) -> None:
-        super().__init__(daemon=True)
-        self.trainer, self.asked_at, self.error = trainer, None, None
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        from raytrain_guard.coordination.client import coordinator_name
-        try:
-            while not self.done.is_set():
-                time.sleep(0.5)
-                try:
-                    handle = ray.get_actor(coordinator_name(self.trainer.run_id),
-                                           namespace=RAY_NAMESPACE)
-                    step = ray.get(handle.status.remote(), timeout=10).get("latest_step") or 0
-                except ValueError:
-                    continue
-                if step >= 10:
-                    self.asked_at = step
-                    self.trainer.request_stop("the test asks")
-                    return
-        except Exception as exc:  # noqa: BLE001 - surfaced by the test
-            self.error = exc
-
-
 def _trainer(config, storage):
     from ray.train import RunConfig, ScalingConfig
 
@@ -160,7 +133,7 @@ def test_lightning_is_guarded_stopped_and_resumed(ray_instance):
     start = time.perf_counter()
     trainer = _trainer({**config, "attempt": 1, "slow": True, "checkpoint_at": CHECKPOINT_AT},
                        storage)
-    stopper = StopWhenTraining(trainer)
+    stopper = StopWhenTraining(trainer, RAY_NAMESPACE)
     stopper.start()
     try:
         first = trainer.fit()
