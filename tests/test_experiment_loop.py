@@ -246,8 +246,9 @@ def _judged(loop):
 
 
 def _named(loop):
-    """The steps each slow-step event named: its run, the num_steps before applied_at."""
-    return [set(range(d["applied_at"] - d["params"]["num_steps"], d["applied_at"]))
+    """The steps each slow-step event named: its run of num_steps from first_step."""
+    return [set(range(d["params"]["first_step"],
+                      d["params"]["first_step"] + d["params"]["num_steps"]))
             for d in loop.recorder.decisions if d["action"] == "slow_step"]
 
 

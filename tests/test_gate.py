@@ -159,6 +159,23 @@ def test_the_steps_after_a_checkpoint_settle_before_they_are_judged():
     assert [i for i, _ in feed_steps(StepGate(GuardConfig()), kinds)] == [10]
 
 
+def test_slow_steps_on_either_side_of_a_checkpoint_are_not_a_run():
+    # Two slow steps before a checkpoint (12, 13), its three settling steps (14-16, not
+    # judged) and a slow step after (17): not three slow steps in a row, so no event at 17;
+    # the run that step begins (17-19) is named by its own steps.
+    kinds = ["n"] * 12 + ["compute"] * 2 + ["n"] * 3 + ["compute"] * 3
+    gate = StepGate(GuardConfig(slow_step_adaptive_persistence=False))
+    events = []
+    for i, kind in enumerate(kinds):
+        if i == 14:
+            gate.note_pause(14)
+        fields = NORMAL if kind == "n" else SLOW[kind]
+        events += [d for d in gate.observe(StepStats(step=i, **fields))
+                   if d.action is Action.SLOW_STEP]
+    assert [(d.params["first_step"], d.params["num_steps"]) for d in events] == [(17, 3)]
+    assert "steps 17-19" in events[0].reason
+
+
 # Another rank of the node did 0.100 s more work (time less communication wait) than this one's
 # 0.090 s: this rank's communication wait grew by as much, waiting for it in the collective.
 PEER_WORK = {"n": dict(NORMAL, peer_work_s=0.090),
@@ -295,8 +312,8 @@ def test_state_dict_round_trip_gives_the_same_decisions():
     restored.load_state_dict(saved)
     a, b = [], []
     for j, (k, f) in enumerate(zip(rest_kinds, rest_fracs)):
-        a += whole.observe(stats(k, 100 + j, f))
-        b += restored.observe(stats(k, 100 + j, f))
+        a += whole.observe(stats(k, len(kinds) + j, f))
+        b += restored.observe(stats(k, len(kinds) + j, f))
     # Before the save: release + pace at 0.88 (index 1); at 0.89 (index 2) the trend through
     # 0.80 0.88 0.89 (slope 0.045/step) predicts 1.025 -> stopped; 0.84 re-armed, pacing ended.
     # After: 0.88 releases and paces again, the data run completes (SLOW_STEP), 0.70 ends

@@ -3,9 +3,10 @@ worker's shard (examples/ray_data.py's loop, 2 gloo workers on CPU).
 
 * The prefetch rules' figures (pure): a given depth kept or lowered to the host budget, the
   depth doubled after an epoch that waited for data, within the budget and a cap.
-* A pipeline whose ``map_batches`` turns slow for the second half of the rows: the guard's
-  gate names the slow steps' cause ``data`` on both ranks, the data wait dominates, and the
-  depth is raised between epochs, never past the budget.
+* A pipeline whose ``map_batches`` turns slow for the last third of the rows: the guard's
+  gate names the slow steps' cause ``data`` (the rank that waits less for its batches waits in
+  the allreduce instead), the data wait dominates on both ranks, and the depth is raised
+  between epochs, never past the budget.
 """
 
 from __future__ import annotations
@@ -94,8 +95,10 @@ def test_slow_pipeline_is_named_data_and_prefetch_rises(ray_instance):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     result = TorchTrainer(
         train_func, train_loop_config={"epochs": 2, "batch_size": 64},
-        # 24 fast batches, then 24 that each take 0.15 s in the one map task
-        datasets={"train": make_dataset(3072, slow_from=1536, delay_s=0.15)},
+        # 24 fast batches, then 12 that each take 0.5 s more in the one map task: a rank's
+        # step waits 1 s for its batch, against 0.05 s on a quiet box and 0.4 s on a busy one
+        # (Ray Data's own per-batch work; 0.15 s more drowned in that)
+        datasets={"train": make_dataset(2304, slow_from=1536, delay_s=0.5)},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(name="ray_data_guarded",
                              storage_path=tempfile.mkdtemp(prefix="rtg-data-")),

@@ -120,7 +120,9 @@ class SlowRuns:
     ``num_slow_steps`` in a row make one SLOW_STEP event, and with
     ``slow_step_adaptive_persistence`` must outlast the longest streak that ended by itself
     within ``step_window`` steps (:data:`MAX_PERSISTENCE_FACTOR` x ``num_slow_steps`` at most).
-    A step that waited for a rank of its node does not count and ends a run not named yet."""
+    A step that waited for a rank of its node does not count and ends a run not named yet;
+    so does a step the gate did not judge (a pause's settling steps): a run is of steps in a
+    row, never of slow steps on either side of a checkpoint."""
 
     def __init__(self, config: GuardConfig, line: SlowStepLine,
                  decide: Callable[..., Decision]) -> None:
@@ -139,14 +141,11 @@ class SlowRuns:
 
     def observe(self, stats: StepStats) -> Decision | None:
         """Judge one step (before it enters the window); its event, if it completes one."""
+        if self.run and stats.step != self.run[-1].step + 1:
+            self._end_run(self.run[-1].step + 1)        # steps not judged came between
         verdict = self.line.judge(stats)
         if verdict is None:
-            if self._streak:
-                self._ended.append((stats.step, self._streak))
-                self._streak = 0
-            if self.run:
-                self._clear()
-                self.reported = False
+            self._end_run(stats.step)
             return None
         cause, by_part, threshold_s = verdict
         if cause is Cause.COMMUNICATION and self.line.waited_for_peer(stats):
@@ -165,6 +164,15 @@ class SlowRuns:
             return None
         self.reported = True
         return self._event(stats, threshold_s)
+
+    def _end_run(self, step: int) -> None:
+        """The streak and the run end before ``step``."""
+        if self._streak:
+            self._ended.append((step, self._streak))
+            self._streak = 0
+        if self.run:
+            self._clear()
+            self.reported = False
 
     def _clear(self) -> None:
         self.run.clear()
@@ -198,6 +206,7 @@ class SlowRuns:
         reason = (f"rank {stats.world_rank} steps {run[0].step}-{run[-1].step}: {len(run)} slow "
                   f"steps in a row ({why}); {detail}")
         return self._decide(Action.SLOW_STEP, cause, reason, num_steps=len(run),
+                            first_step=run[0].step,
                             threshold_s=threshold_s, median_s=run_median)
 
     def state_dict(self) -> dict[str, Any]:
