@@ -18,11 +18,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ray_head import RAY_CLI, free_ports
 
 pytest.importorskip("ray")
 pytest.importorskip("matplotlib")
@@ -39,30 +38,16 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 FAULT = "slow_compute:rank=1,start=2,factor=2"
 
 
-def _free_ports(n: int) -> list[int]:
-    """n ports free now, between Ray's worker ports (10002-19999) and the ephemeral range."""
-    ports: list[int] = []
-    for port in random.sample(range(20000, 32000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise RuntimeError("no free ports between 20000 and 32000")
 
 
 @pytest.fixture(scope="module")
 def head():
-    gcs, metrics, agent, agent_grpc, runtime_env, client = _free_ports(6)
+    gcs, metrics, agent, agent_grpc, runtime_env, client = free_ports(6)
     temp = tempfile.mkdtemp(prefix="rtg", dir="/tmp")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"
     head_env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    ray_cli = shutil.which("ray")
-    cmd = ([ray_cli] if ray_cli else [sys.executable, "-m", "ray.scripts.scripts"]) + [
+    cmd = RAY_CLI + [
         "start", "--head", "--block", f"--port={gcs}", f"--metrics-export-port={metrics}",
         "--include-dashboard=false", f"--dashboard-agent-listen-port={agent}",
         f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",

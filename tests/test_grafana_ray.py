@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +33,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ray_head import RAY_CLI, free_ports
 
 ray = pytest.importorskip("ray")
 
@@ -45,28 +44,14 @@ RUN = "grafana-run"
 RUN_NAME = "grafana_test_run"
 
 
-def _free_ports(n: int) -> list[int]:
-    """n ports free now, between Ray's worker ports (10002-19999) and the ephemeral range."""
-    ports: list[int] = []
-    for port in random.sample(range(20000, 32000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise RuntimeError("no free ports between 20000 and 32000")
 
 
 @pytest.fixture(scope="module")
 def head():
-    gcs, metrics_port, dashboard, agent, agent_grpc, runtime_env, client = _free_ports(7)
+    gcs, metrics_port, dashboard, agent, agent_grpc, runtime_env, client = free_ports(7)
     temp = tempfile.mkdtemp(prefix="rtg", dir="/tmp")
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    ray_cli = shutil.which("ray")
-    cmd = ([ray_cli] if ray_cli else [sys.executable, "-m", "ray.scripts.scripts"]) + [
+    cmd = RAY_CLI + [
         "start", "--head", "--block", f"--port={gcs}", f"--metrics-export-port={metrics_port}",
         f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={agent}",
         f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,24 +23,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ray_head import RAY_CLI, free_ports
 
 from raytrain_guard.cluster.status import enable_token_auth_if_token_exists
 
 ROOT = Path(__file__).resolve().parents[1]
-RAY = shutil.which("ray")
-pytestmark = [pytest.mark.ray,
-              pytest.mark.skipif(RAY is None, reason="the ray CLI is not installed")]
+pytestmark = pytest.mark.ray
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _metrics(port: int) -> str:
@@ -79,11 +68,11 @@ def _stop_head(temp_dir: str) -> None:
 def head():
     temp_dir = tempfile.mkdtemp(prefix="rtgj")          # short: Unix socket paths are limited
     (gcs, dashboard, metrics, client, agent_http, agent_grpc, runtime_env, node_manager,
-     object_manager) = _free_ports(9)
+     object_manager) = free_ports(9)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                RAY_metrics_report_interval_ms="2000")
-    cmd = [RAY, "start", "--head", f"--port={gcs}", f"--temp-dir={temp_dir}", "--num-cpus=4",
+    cmd = RAY_CLI + ["start", "--head", f"--port={gcs}", f"--temp-dir={temp_dir}", "--num-cpus=4",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}",
            f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
@@ -106,7 +95,7 @@ def test_job_submit_runs_a_guarded_training_and_exports_guard_metrics(head):
     assert enable_token_auth_if_token_exists(env) and env["RAY_AUTH_MODE"] == "token"
     submission = f"rtg-{secrets.token_hex(4)}"
     job = subprocess.Popen(
-        [RAY, "job", "submit", "--address", f"http://127.0.0.1:{head['dashboard']}",
+        RAY_CLI + ["job", "submit", "--address", f"http://127.0.0.1:{head['dashboard']}",
          "--submission-id", submission, "--working-dir", str(ROOT), "--",
          "python", "examples/job_submit.py", "--epochs", "10"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
