@@ -360,3 +360,24 @@ def test_a_node_fault_is_named_by_its_node_as_a_node_not_by_its_rank(tmp_path):
     other = parse_fault("slow_compute:node=0,start=10,factor=3", num_nodes=2)
     assert analyze(root, [other], node_ids=["na", "nb"])["fault_detection"][0][
         "named_at_step"] is None
+
+
+def test_a_node_fault_is_named_by_a_slow_step_its_gate_read_as_the_nodes(tmp_path):
+    # every rank's gate records a compute slow step at 18 (dated 17); read as its node's
+    # (node_wide: the node's other ranks slowed too) it names the rank's node as a node: rank 1's
+    # names node nb, the fault's; without node_wide it names no node
+    for node_wide, named_at in ((True, 17), (False, None)):
+        folder = tmp_path / str(node_wide)
+        folder.mkdir()
+        root = write_arm(folder, audits=clean_audits(range(4)), steps_done=4, decisions=[
+            _decision("slow_step", 18, params={"num_steps": 3, "first_step": 15,
+                                               "node_wide": node_wide})])
+        _on_nodes(root, {0: "na", 1: "nb"})
+        fault = parse_fault("slow_compute:node=1,start=14,factor=3", num_nodes=2)
+        arm = analyze(root, [fault], node_ids=["na", "nb"])
+        named = arm["fault_detection"][0]
+        assert named["named_at_step"] == named_at
+        if node_wide:
+            assert (named["node_index"], named["node_id"], named["delay_steps"]) == (1, "nb", 3)
+            assert sorted((d["rank"], d["target"], d["node_index"])
+                          for d in arm["detections"]) == [(0, "node", 0), (1, "node", 1)]

@@ -184,6 +184,47 @@ PEER_WORK = {"n": dict(NORMAL, peer_work_s=0.090),
              "link": dict(SLOW["comm"], peer_work_s=0.090),
              "own_compute": dict(SLOW["compute"], peer_work_s=0.290)}
 
+# A rank's own work is 0.090 s a step (0.100 less 0.010 of communication wait), 0.190 s when
+# slow in compute (+0.100). The other rank of its node worked 0.090 s, and in the slow steps
+# either as long as before (this rank alone is slow) or 0.100 s more, or 0.040 s more (under
+# half of this rank's +0.100), or it has no figure (no board).
+NODE_CASES = [
+    # (name, config changes, the peer's work in the normal and in the slow steps, node_wide)
+    ("the node's other rank slowed as much", {}, 0.090, 0.190, True),
+    ("this rank alone", {}, 0.090, 0.090, False),
+    ("+0.040 s is under half the +0.100 s", {}, 0.090, 0.130, False),
+    ("+0.050 s is half", {}, 0.090, 0.140, True),
+    ("no board: no peer figure", {}, None, None, False),
+    ("0 turns the rule off", {"slow_step_peer_work_frac": 0.0}, 0.090, 0.190, False),
+]
+
+
+@pytest.mark.parametrize("name, changes, peer_normal, peer_slow, node_wide", NODE_CASES,
+                         ids=[c[0] for c in NODE_CASES])
+def test_a_compute_slowdown_is_the_nodes_when_its_other_ranks_slowed_too(
+        name, changes, peer_normal, peer_slow, node_wide):
+    kinds = {"n": dict(NORMAL, peer_work_s=peer_normal),
+             "compute": dict(SLOW["compute"], peer_work_s=peer_slow)}
+    gate = StepGate(GuardConfig(**changes))
+    events = [d for i, kind in enumerate(["n"] * 8 + ["compute"] * 3)
+              for d in gate.observe(StepStats(step=i, **kinds[kind]))
+              if d.action is Action.SLOW_STEP]
+    assert [(d.cause, d.params["node_wide"]) for d in events] == [(Cause.COMPUTE, node_wide)]
+    assert ("the node is slow" in events[0].reason) == node_wide
+
+
+def test_only_a_compute_slowdown_is_read_as_the_nodes():
+    # the data wait grew on this rank and its peer worked (and waited) as much longer: a slow
+    # input pipeline, which the node-wide reading of compute leaves alone
+    kinds = {"n": dict(NORMAL, peer_work_s=0.090),
+             "data": dict(SLOW["data"], peer_work_s=0.190)}
+    gate = StepGate(GuardConfig())
+    events = [d for i, kind in enumerate(["n"] * 8 + ["data"] * 3)
+              for d in gate.observe(StepStats(step=i, **kinds[kind]))
+              if d.action is Action.SLOW_STEP]
+    assert [(d.cause, d.params["node_wide"]) for d in events] == [(Cause.DATA, False)]
+
+
 PEER_WORK_CASES = [
     # (name, config changes, kinds, expected event indices, steps that waited for a peer)
     ("a wait for a rank that worked longer is that rank's", {},

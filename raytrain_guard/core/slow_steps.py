@@ -205,8 +205,13 @@ class SlowRuns:
                    f"{threshold_s:.4f} s, {self.line.describe(threshold_s)}")
         reason = (f"rank {stats.world_rank} steps {run[0].step}-{run[-1].step}: {len(run)} slow "
                   f"steps in a row ({why}); {detail}")
+        node_wide = cause is Cause.COMPUTE and peers_grew_too(
+            run, baseline, cfg.slow_step_peer_work_frac)
+        if node_wide:
+            reason += ("; the node's other rank(s) worked longer in these steps too: the node "
+                       "is slow, not this rank alone")
         return self._decide(Action.SLOW_STEP, cause, reason, num_steps=len(run),
-                            first_step=run[0].step,
+                            first_step=run[0].step, node_wide=node_wide,
                             threshold_s=threshold_s, median_s=run_median)
 
     def state_dict(self) -> dict[str, Any]:
@@ -222,6 +227,27 @@ class SlowRuns:
         self.num_by_part = int(state["run_parts"])
         self._streak = int(state["streak"])
         self._ended = deque((int(a), int(b)) for a, b in state["ended_runs"])
+
+
+def peers_grew_too(slow: Sequence[StepStats], baseline: Sequence[StepStats],
+                   frac: float) -> bool:
+    """Whether the other ranks of this rank's node slowed with it: the most work another local
+    rank did in a step (``peer_work_s``) grew, from the baseline's median to the slow steps',
+    by at least ``frac`` of this rank's own growth in work (its time less its communication
+    wait), which must be positive. With more than two ranks on a node one other slowed rank is
+    enough (the board gives the most work, not each rank's). False where a step has no peer
+    figure (a rank alone on its node, no board) or ``frac`` is 0 (``slow_step_peer_work_frac``
+    off)."""
+    if frac <= 0 or not slow or not baseline or any(
+            s.peer_work_s is None for s in (*slow, *baseline)):
+        return False
+
+    def growth(figure: Callable[[StepStats], float]) -> float:
+        return (statistics.median(map(figure, slow))
+                - statistics.median(map(figure, baseline)))
+
+    own = growth(lambda s: s.total_s - s.comm_wait_s)
+    return own > 0 and growth(lambda s: s.peer_work_s or 0.0) >= frac * own
 
 
 def attribute_slow_steps(slow: Sequence[StepStats],

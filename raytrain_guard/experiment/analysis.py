@@ -152,13 +152,19 @@ def fault_outcomes(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str
 
 
 def detections_of(decisions: Sequence[Mapping[str, Any]], hangs: Sequence[Mapping[str, Any]],
-                  starts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+                  starts: Sequence[Mapping[str, Any]],
+                  node_of: Mapping[tuple[int, int], str] | None = None) -> list[dict[str, Any]]:
     """Slow steps (``source`` ``"rank"``: the rank's gate), stragglers (``"cluster"``: the
     coordinator) and hangs (``"rank"``: the watchdogs). A decision recorded at ``applied_at``
-    (steps finished) is dated ``applied_at - 1``, a hang by its step."""
+    (steps finished) is dated ``applied_at - 1``, a hang by its step. A slow step the gate read
+    as its node's (``node_wide``: the node's other ranks slowed too) names that node
+    (``target`` ``"node"``), whose id ``node_of`` gives per (rank, attempt)."""
     detections = [{"kind": f"slow_step ({d.get('cause')})", "rank": d.get("world_rank"),
                    "cause": d.get("cause"), "step": _dated(d), "source": "rank",
-                   "reason": d.get("reason")}
+                   "reason": d.get("reason"),
+                   **({"target": "node",
+                       "node_id": (node_of or {}).get((d.get("world_rank"), d.get("_try")))}
+                      if d.get("params", {}).get("node_wide") else {})}
                   for d in decisions if d.get("action") == "slow_step"]
     detections += [{"kind": "straggler", "rank": r, "cause": d.get("cause"), "step": _dated(d),
                     "source": "cluster", "reason": d.get("reason"),
@@ -240,7 +246,10 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     totals = [r["total_s"] for r in steps]
     in_fault = [r for r in steps if any(f.active(r["step"]) for f in faults)]
     fracs = [r["memory_frac"] for r in steps if r.get("memory_frac") is not None]
-    detections = _with_node_index(detections_of(decisions, hangs, starts), node_ids)
+    node_of = {(r.get("world_rank", rank), r.get("_try")): r["node_id"]
+               for rank, records in traces.items() for r in records
+               if r.get("t") == "start" and r.get("node_id")}
+    detections = _with_node_index(detections_of(decisions, hangs, starts, node_of), node_ids)
     nodes = node_ranks(traces, node_ids)
     faults = on_nodes(faults, nodes)
     completed = bool(ends) and launch_error is None
