@@ -195,6 +195,7 @@ NODE_CASES = [
     ("+0.040 s is under half the +0.100 s", {}, 0.090, 0.130, False),
     ("+0.050 s is half", {}, 0.090, 0.140, True),
     ("no board: no peer figure", {}, None, None, False),
+    ("some steps without a peer figure", {}, "every third", 0.190, True),
     ("0 turns the rule off", {"slow_step_peer_work_frac": 0.0}, 0.090, 0.190, False),
 ]
 
@@ -203,11 +204,18 @@ NODE_CASES = [
                          ids=[c[0] for c in NODE_CASES])
 def test_a_compute_slowdown_is_the_nodes_when_its_other_ranks_slowed_too(
         name, changes, peer_normal, peer_slow, node_wide):
-    kinds = {"n": dict(NORMAL, peer_work_s=peer_normal),
-             "compute": dict(SLOW["compute"], peer_work_s=peer_slow)}
+    def peer_normal_at(step):     # "every third": the peers had not written steps 0, 3, 6
+        return (None if step % 3 == 0 else 0.090) if peer_normal == "every third" \
+            else peer_normal
+
+    def fields(step, kind):
+        if kind == "n":
+            return dict(NORMAL, peer_work_s=peer_normal_at(step))
+        return dict(SLOW["compute"], peer_work_s=peer_slow)
+
     gate = StepGate(GuardConfig(**changes))
     events = [d for i, kind in enumerate(["n"] * 8 + ["compute"] * 3)
-              for d in gate.observe(StepStats(step=i, **kinds[kind]))
+              for d in gate.observe(StepStats(step=i, **fields(i, kind)))
               if d.action is Action.SLOW_STEP]
     assert [(d.cause, d.params["node_wide"]) for d in events] == [(Cause.COMPUTE, node_wide)]
     assert ("the node is slow" in events[0].reason) == node_wide

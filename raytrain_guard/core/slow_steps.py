@@ -234,20 +234,20 @@ def peers_grew_too(slow: Sequence[StepStats], baseline: Sequence[StepStats],
     """Whether the other ranks of this rank's node slowed with it: the most work another local
     rank did in a step (``peer_work_s``) grew, from the baseline's median to the slow steps',
     by at least ``frac`` of this rank's own growth in work (its time less its communication
-    wait), which must be positive. With more than two ranks on a node one other slowed rank is
-    enough (the board gives the most work, not each rank's). False where a step has no peer
-    figure (a rank alone on its node, no board) or ``frac`` is 0 (``slow_step_peer_work_frac``
-    off)."""
-    if frac <= 0 or not slow or not baseline or any(
-            s.peer_work_s is None for s in (*slow, *baseline)):
+    wait), which must be positive. The peer medians are of the steps with a peer figure (a
+    step whose peers had not written it yet has none), at least half of each set. With more
+    than two ranks on a node one other slowed rank is enough (the board keeps the most work,
+    not each rank's). False without peer figures (a rank alone on its node, no board) or with
+    ``frac`` 0 (``slow_step_peer_work_frac`` off)."""
+    peers_slow = [s.peer_work_s for s in slow if s.peer_work_s is not None]
+    peers_base = [s.peer_work_s for s in baseline if s.peer_work_s is not None]
+    if (frac <= 0 or not peers_slow or not peers_base or 2 * len(peers_slow) < len(slow)
+            or 2 * len(peers_base) < len(baseline)):
         return False
-
-    def growth(figure: Callable[[StepStats], float]) -> float:
-        return (statistics.median(map(figure, slow))
-                - statistics.median(map(figure, baseline)))
-
-    own = growth(lambda s: s.total_s - s.comm_wait_s)
-    return own > 0 and growth(lambda s: s.peer_work_s or 0.0) >= frac * own
+    own = (statistics.median(s.total_s - s.comm_wait_s for s in slow)
+           - statistics.median(s.total_s - s.comm_wait_s for s in baseline))
+    peers = statistics.median(peers_slow) - statistics.median(peers_base)
+    return own > 0 and peers >= frac * own
 
 
 def attribute_slow_steps(slow: Sequence[StepStats],
