@@ -229,20 +229,26 @@ class SlowRuns:
         self._ended = deque((int(a), int(b)) for a, b in state["ended_runs"])
 
 
+MIN_PEER_POINTS = 3
+"""Peer figures :func:`peers_grew_too` needs in the baseline and in the run (all of a shorter
+run's): a median of fewer is one step's noise."""
+
+
 def peers_grew_too(slow: Sequence[StepStats], baseline: Sequence[StepStats],
                    frac: float) -> bool:
     """Whether the other ranks of this rank's node slowed with it: the most work another local
     rank did in a step (``peer_work_s``) grew, from the baseline's median to the slow steps',
     by at least ``frac`` of this rank's own growth in work (its time less its communication
     wait), which must be positive. The peer medians are of the steps with a peer figure (a
-    step whose peers had not written it yet has none), at least half of each set. With more
+    rank that closes a step before its peers finds none: half of the steps or more, on a fast
+    rank), :data:`MIN_PEER_POINTS` of each set at least. With more
     than two ranks on a node one other slowed rank is enough (the board keeps the most work,
     not each rank's). False without peer figures (a rank alone on its node, no board) or with
     ``frac`` 0 (``slow_step_peer_work_frac`` off)."""
     peers_slow = [s.peer_work_s for s in slow if s.peer_work_s is not None]
     peers_base = [s.peer_work_s for s in baseline if s.peer_work_s is not None]
-    if (frac <= 0 or not peers_slow or not peers_base or 2 * len(peers_slow) < len(slow)
-            or 2 * len(peers_base) < len(baseline)):
+    if (frac <= 0 or len(peers_base) < MIN_PEER_POINTS
+            or len(peers_slow) < min(MIN_PEER_POINTS, len(slow))):
         return False
     own = (statistics.median(s.total_s - s.comm_wait_s for s in slow)
            - statistics.median(s.total_s - s.comm_wait_s for s in baseline))
