@@ -241,10 +241,10 @@ def peers_grew_too(slow: Sequence[StepStats], baseline: Sequence[StepStats],
     by at least ``frac`` of this rank's own growth in work (its time less its communication
     wait), which must be positive. The peer medians are of the steps with a peer figure (a
     rank that closes a step before its peers finds none: half of the steps or more, on a fast
-    rank), :data:`MIN_PEER_POINTS` of each set at least. With more
-    than two ranks on a node one other slowed rank is enough (the board keeps the most work,
-    not each rank's). False without peer figures (a rank alone on its node, no board) or with
-    ``frac`` 0 (``slow_step_peer_work_frac`` off)."""
+    rank), :data:`MIN_PEER_POINTS` of each set at least. With more than two ranks on a node
+    one other slowed rank is enough (the board keeps the most work, not each rank's). False
+    without peer figures (a rank alone on its node, no board) or with ``frac`` 0
+    (``slow_step_peer_work_frac`` off)."""
     peers_slow = [s.peer_work_s for s in slow if s.peer_work_s is not None]
     peers_base = [s.peer_work_s for s in baseline if s.peer_work_s is not None]
     if (frac <= 0 or len(peers_base) < MIN_PEER_POINTS
