@@ -138,6 +138,18 @@ def feed_steps(gate: StepGate, kinds):
     return out
 
 
+def slow_step_events(gate: StepGate, fields_per_step, *, pause_at: int | None = None):
+    """Feed one step per dict of StepStats fields (steps 0, 1, ...), noting a pause before
+    step ``pause_at``; return [(step, decision)] of the SLOW_STEP decisions."""
+    events = []
+    for i, fields in enumerate(fields_per_step):
+        if i == pause_at:
+            gate.note_pause(i)
+        events += [(i, d) for d in gate.observe(StepStats(step=i, **fields))
+                   if d.action is Action.SLOW_STEP]
+    return events
+
+
 WARM = ["n"] * 2 + ["n"] * 6    # 2 warmup steps, then a baseline of 6 normal steps (median 0.1)
 
 def test_the_steps_after_a_checkpoint_settle_before_they_are_judged():
@@ -147,14 +159,9 @@ def test_the_steps_after_a_checkpoint_settle_before_they_are_judged():
     # longer than the one that ended by itself, none: adaptive persistence).
     kinds = WARM + ["compute"] * 3 + ["n"] * 3 + ["compute"] * 3
     paused = StepGate(GuardConfig())
-    events = []
-    for i, kind in enumerate(kinds):
-        if i == 8:
-            paused.note_pause(8)
-        fields = NORMAL if kind == "n" else SLOW[kind]
-        events += [i for d in paused.observe(StepStats(step=i, **fields))
-                   if d.action is Action.SLOW_STEP]
-    assert events == [16]
+    events = slow_step_events(paused, [NORMAL if k == "n" else SLOW[k] for k in kinds],
+                              pause_at=8)
+    assert [i for i, _ in events] == [16]
     assert [s.step for s in paused.window] == [2, 3, 4, 5, 6, 7, 11, 12, 13, 14, 15, 16]
     assert [i for i, _ in feed_steps(StepGate(GuardConfig()), kinds)] == [10]
 
@@ -164,14 +171,9 @@ def test_slow_steps_on_either_side_of_a_checkpoint_are_not_a_run():
     # judged) and a slow step after (17): not three slow steps in a row, so no event at 17;
     # the run that step begins (17-19) is named by its own steps.
     kinds = ["n"] * 12 + ["compute"] * 2 + ["n"] * 3 + ["compute"] * 3
-    gate = StepGate(GuardConfig(slow_step_adaptive_persistence=False))
-    events = []
-    for i, kind in enumerate(kinds):
-        if i == 14:
-            gate.note_pause(14)
-        fields = NORMAL if kind == "n" else SLOW[kind]
-        events += [d for d in gate.observe(StepStats(step=i, **fields))
-                   if d.action is Action.SLOW_STEP]
+    events = [d for _, d in slow_step_events(
+        StepGate(GuardConfig(slow_step_adaptive_persistence=False)),
+        [NORMAL if k == "n" else SLOW[k] for k in kinds], pause_at=14)]
     assert [(d.params["first_step"], d.params["num_steps"]) for d in events] == [(17, 3)]
     assert "steps 17-19" in events[0].reason
 
@@ -213,10 +215,9 @@ def test_a_compute_slowdown_is_the_nodes_when_its_other_ranks_slowed_too(
             return dict(NORMAL, peer_work_s=peer_normal_at(step))
         return dict(SLOW["compute"], peer_work_s=peer_slow)
 
-    gate = StepGate(GuardConfig(**changes))
-    events = [d for i, kind in enumerate(["n"] * 8 + ["compute"] * 3)
-              for d in gate.observe(StepStats(step=i, **fields(i, kind)))
-              if d.action is Action.SLOW_STEP]
+    events = [d for _, d in slow_step_events(
+        StepGate(GuardConfig(**changes)),
+        [fields(i, k) for i, k in enumerate(["n"] * 8 + ["compute"] * 3)])]
     assert [(d.cause, d.params["node_wide"]) for d in events] == [(Cause.COMPUTE, node_wide)]
     assert ("the node is slow" in events[0].reason) == node_wide
 
@@ -224,12 +225,9 @@ def test_a_compute_slowdown_is_the_nodes_when_its_other_ranks_slowed_too(
 def test_only_a_compute_slowdown_is_read_as_the_nodes():
     # the data wait grew on this rank and its peer worked (and waited) as much longer: a slow
     # input pipeline, which the node-wide reading of compute leaves alone
-    kinds = {"n": dict(NORMAL, peer_work_s=0.090),
-             "data": dict(SLOW["data"], peer_work_s=0.190)}
-    gate = StepGate(GuardConfig())
-    events = [d for i, kind in enumerate(["n"] * 8 + ["data"] * 3)
-              for d in gate.observe(StepStats(step=i, **kinds[kind]))
-              if d.action is Action.SLOW_STEP]
+    events = [d for _, d in slow_step_events(
+        StepGate(GuardConfig()),
+        [dict(NORMAL, peer_work_s=0.090)] * 8 + [dict(SLOW["data"], peer_work_s=0.190)] * 3)]
     assert [(d.cause, d.params["node_wide"]) for d in events] == [(Cause.DATA, False)]
 
 

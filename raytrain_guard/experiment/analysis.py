@@ -246,7 +246,7 @@ def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int |
     totals = [r["total_s"] for r in steps]
     in_fault = [r for r in steps if any(f.active(r["step"]) for f in faults)]
     fracs = [r["memory_frac"] for r in steps if r.get("memory_frac") is not None]
-    node_of = {(r.get("world_rank", rank), r.get("_try")): r["node_id"]
+    node_of = {(rank, r.get("_try")): r["node_id"]
                for rank, records in traces.items() for r in records
                if r.get("t") == "start" and r.get("node_id")}
     detections = _with_node_index(detections_of(decisions, hangs, starts, node_of), node_ids)
