@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:      # the tests import examples/ (and spawned ranks inherit it)
     sys.path.insert(0, str(ROOT))
+
+from ray_head import TRAIN_POLL_ENV  # noqa: E402 - tests/ is on sys.path once pytest runs
+
+for key, value in TRAIN_POLL_ENV.items():    # every Ray cluster a test starts inherits it
+    os.environ.setdefault(key, value)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,13 @@ import sys
 
 RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 
+# Ray Train's controller polls its workers every 2 s, and each checkpoint's report and a run's
+# end wait for a poll: of an 8-step test run's ~27 s, about 10. At 0.25 s the same run takes
+# ~16 s. conftest sets it in the tests' environment, which the Ray clusters they start
+# (local, ``ray.cluster_utils.Cluster``, ``ray start`` children) inherit; the demo's smoke test
+# runs at Ray's default, as a user does.
+TRAIN_POLL_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+
 
 def free_ports(n: int) -> list[int]:
     """n ports free now, between Ray's worker ports (10002-19999) and the ephemeral range."""

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from ray_head import RAY_CLI, free_ports
+from ray_head import RAY_CLI, TRAIN_POLL_ENV, free_ports
 
 from raytrain_guard.cluster.status import enable_token_auth_if_token_exists
 
@@ -71,7 +71,7 @@ def head():
      object_manager) = free_ports(9)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
-               RAY_metrics_report_interval_ms="2000")
+               RAY_metrics_report_interval_ms="2000", **TRAIN_POLL_ENV)
     cmd = RAY_CLI + ["start", "--head", f"--port={gcs}", f"--temp-dir={temp_dir}", "--num-cpus=4",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dashboard}", f"--metrics-export-port={metrics}",

@@ -11,8 +11,17 @@ from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Cause
 from raytrain_guard.core.gate import StepGate
 from raytrain_guard.core.steps import StepStats
+from raytrain_guard.runtime.guard import step_guard
 from raytrain_guard.runtime.guard.step_guard import StepGuard
 from raytrain_guard.runtime.guard.timing import StepTimer
+
+
+@pytest.fixture(autouse=True)
+def no_real_cache_release(monkeypatch):
+    """The guard's cache release is ``gc.collect()``: 50-300 ms in a test process that holds
+    Ray and torch, and a noisy run asks for it several times; what it frees is not this
+    module's business (test_probes runs it)."""
+    monkeypatch.setattr(step_guard, "release_cache", lambda: "released")
 
 
 class HandClock:
@@ -180,14 +189,15 @@ def _decisions_by_step(totals, fracs, config, *, fast: bool, drain_every: int = 
     return out
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_noisy_steps_decide_at_the_same_steps_as_a_gate_fed_every_step(seed):
+@pytest.mark.parametrize(("batch", "run"), [(b, r) for b in (1, 5, 10, 20) for r in (1, 2, 3, 4)])
+def test_noisy_steps_decide_at_the_same_steps_as_a_gate_fed_every_step(batch, run):
     # A noisy loop: 10 ms steps with 0-30 % jitter, isolated slow steps (15 %), bursts of 1-5
     # slow steps, memory wandering up to and past the watermark and back. Whatever waits in
-    # the buffer, the decisions (kind and step) equal those of a gate fed every step.
+    # the buffer, the decisions (kind and step) equal those of a gate fed every step, for every
+    # batch size and run length (pacing on in half of them).
     import random
 
-    rng = random.Random(seed)
+    rng = random.Random(batch * 10 + run)
     totals, fracs, frac = [], [], 0.5
     while len(totals) < 400:
         if rng.random() < 0.05:
@@ -198,9 +208,8 @@ def test_noisy_steps_decide_at_the_same_steps_as_a_gate_fed_every_step(seed):
     for _ in totals:
         frac = min(0.99, max(0.3, frac + rng.choice((-0.02, 0.0, 0.0, 0.0, 0.03))))
         fracs.append(frac)
-    config = GuardConfig(gate_batch_steps=rng.choice((1, 5, 10, 20)),
-                         num_slow_steps=rng.choice((1, 2, 3, 4)), memory_predict_steps=0,
-                         pacing_enabled=rng.random() < 0.5)
+    config = GuardConfig(gate_batch_steps=batch, num_slow_steps=run, memory_predict_steps=0,
+                         pacing_enabled=(batch + run) % 2 == 0)
     expected = _decisions_by_step(totals, fracs, config, fast=False)
     assert any("slow_step" in kinds for kinds in expected.values())
     assert _decisions_by_step(totals, fracs, config, fast=True) == expected
