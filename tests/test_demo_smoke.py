@@ -9,6 +9,7 @@ traces must still land in it. Slow (about 80 s): the one run of the demo in the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -52,3 +53,21 @@ def test_demo_from_an_empty_folder_shows_act_finishing_where_observe_fails(tmp_p
     for arm in ("observe", "act"):    # the workers wrote where the driver reads
         assert {p.name for p in (report.parent / arm / "trace").iterdir()} == {
             "rank0.jsonl", "rank1.jsonl"}
+
+    # the figures behind the table (result.json: what --json prints)
+    result = json.loads((report.parent / "result.json").read_text())
+    observe, act = result["arms"]["observe"], result["arms"]["act"]
+    assert not observe["completed"] and observe["attempts"] == 3
+    assert observe["attempt_errors"] == ["OutOfMemoryError on rank 1 at step 40"] * 3
+    assert act["completed"] and act["attempts"] == 1 and act["error"] is None
+    assert act["lost_steps"] == 0 and act["samples_misplaced"] == 0
+    # the steps' own pace beats the pace over the whole attempt (start-up, checkpoints)
+    assert act["step_samples_per_s"] > act["samples_per_s"] > 0
+    assert act["global_batch_min"] == act["global_batch_max"] == 16 and not act["batch_changes"]
+    splits = [d for d in act["decisions"] if d["action"] == "split_micro_batch"]
+    assert splits and splits[0]["step"] == 40 and all(d["ranks"] == [1] for d in splits)
+    assert all(d["measured"]["peak_frac"] < 0.88 for d in splits)
+    assert act["peak_memory_frac"] < 0.88
+    import matplotlib.image
+    image = matplotlib.image.imread(result["plots"][0])
+    assert image.shape[0] > 400 and image.shape[1] > 600 and image.std() > 0.01

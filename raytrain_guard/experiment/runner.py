@@ -15,6 +15,7 @@ write to is made absolute in the driver: a Ray worker runs in its own working di
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -251,6 +252,8 @@ def run_experiment(setup: ExperimentSetup, out_dir: str, *,
                             "seeds": [setup.seed + i for i in range(setup.repeat)]}
     report, plots = write_report(result, out_dir, setup)
     result["report"], result["plots"] = report, plots
+    with open(os.path.join(out_dir, "result.json"), "w") as fh:   # what --json prints
+        json.dump(result, fh, default=str)
     return result
 
 
