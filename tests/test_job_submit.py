@@ -56,7 +56,7 @@ def _stop_head(temp_dir: str) -> None:
             proc.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(mine, timeout=15)
+    _, alive = psutil.wait_procs(mine, timeout=3)    # some linger past 15 s: kill them
     for proc in alive:
         try:
             proc.kill()
