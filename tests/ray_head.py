@@ -18,7 +18,7 @@ RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 # end wait for a poll: of an 8-step test run's ~27 s, about 10. At 0.25 s the same run takes
 # ~16 s. conftest sets it in the tests' environment, which the Ray clusters they start
 # (local, ``ray.cluster_utils.Cluster``, ``ray start`` children) inherit; the demo's smoke test
-# runs at Ray's default, as a user does.
+# leaves it to the demo, which sets it for its embedded cluster, as a user's run does.
 TRAIN_POLL_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
 
 

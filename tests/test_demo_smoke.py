@@ -25,7 +25,7 @@ pytest.importorskip("matplotlib")
 
 @pytest.mark.ray
 def test_demo_from_an_empty_folder_shows_act_finishing_where_observe_fails(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in TRAIN_POLL_ENV}   # Ray's default
+    env = {k: v for k, v in os.environ.items() if k not in TRAIN_POLL_ENV}   # a user's
     env["RAY_AUTH_MODE"] = "disabled"                         # auth is not what this tests
     proc = subprocess.run([sys.executable, "-m", "raytrain_guard.cli", "demo"], check=False,
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
