@@ -1,13 +1,18 @@
-"""`raytrain-guard plan` in a subprocess: exit codes 0/1/2, --json keys, count parsing, and a
-one-line error without a traceback for every kind of bad input.
+"""`raytrain-guard plan`: exit codes 0/1/2, --json keys, count parsing, and a one-line error
+without a traceback for every kind of bad input.
 
-The factories below are what the subprocesses import (``--model test_cli_plan:...``).
+``run_plan`` calls the CLI's entry function in this process (a subprocess per call cost ~2 s of
+imports each); the factories below are what it imports (``--model test_cli_plan:...``). Three
+tests keep a real subprocess, where the process is the point: ``python -m raytrain_guard.cli``,
+the installed console script, and a fresh interpreter that must not import torch or ray.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
+import logging
 import shutil
 import subprocess
 import sys
@@ -17,6 +22,8 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset
+
+from raytrain_guard.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,12 +91,38 @@ def tensor_dataset() -> Dataset:
 
 # -- helpers -----------------------------------------------------------------------------------
 
-def run_plan(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT),
-                                         env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "raytrain_guard.cli", "plan", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    """``raytrain-guard plan ARGS`` in this process: its exit code (argparse's SystemExit too),
+    stdout and stderr, where log records at WARNING and above land as the command's own
+    ``logging.basicConfig`` would put them. ``sys.path``, the working directory and the root
+    logger are restored; torch's default dtype must come back unchanged."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    # under pytest the root logger has handlers, so the CLI's basicConfig adds none: give the
+    # records this run's stderr, in the CLI's format
+    handler = logging.StreamHandler(stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    saved_path, saved_handlers, saved_level = list(sys.path), list(root.handlers), root.level
+    dtype = torch.get_default_dtype()
+    root.addHandler(handler)
+    try:
+        with contextlib.chdir(ROOT), contextlib.redirect_stdout(stdout), \
+                contextlib.redirect_stderr(stderr):
+            try:
+                returncode = main(["plan", *args])
+            except SystemExit as exit_:
+                code = exit_.code
+                returncode = code if isinstance(code, int) else (0 if code is None else 1)
+                if not isinstance(code, (int, type(None))):
+                    print(code, file=sys.stderr)
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        sys.path[:] = saved_path
+    assert torch.get_default_dtype() == dtype, "plan left torch's default dtype changed"
+    return subprocess.CompletedProcess(["raytrain-guard", "plan", *args], returncode,
+                                       stdout.getvalue(), stderr.getvalue())
 
 
 def one_line_error(out: subprocess.CompletedProcess) -> str:
@@ -375,6 +408,19 @@ def test_argparse_errors_exit_2():
     out = run_plan("--params", "1B", "--gpu-mem", "80GiB", "--no-such-flag")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "usage:" not in out.stderr and "raytrain-guard plan --help" in out.stderr
+
+
+def test_module_entry_point():
+    # `python -m raytrain_guard.cli` in its own process: __main__ passes main's code to exit
+    out = subprocess.run([sys.executable, "-m", "raytrain_guard.cli", "plan", "--params", "7.5B",
+                          *SMALL, "--gpu-mem", "80GiB"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "FITS" in out.stdout and "micro_batch" in out.stdout
+    slow = subprocess.run([sys.executable, "-m", "raytrain_guard.cli", "plan", "--params",
+                           "7.5B", *SMALL, "--gpu-mem", "32GiB"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert slow.returncode == 1 and "DOES NOT FIT" in slow.stdout, slow.stderr
 
 
 def test_console_script():
