@@ -4,7 +4,7 @@ from an empty folder, with no ``--out``.
 It starts its own embedded Ray cluster and runs the default experiment: the same 2-worker
 training twice under the same faults, the guard observing and the guard acting. The report
 folder is then relative to where the user stands, which is not where Ray's workers run: the
-traces must still land in it. Slow (about 80 s): the one run of the demo in the suite.
+traces must still land in it. Slow (about 70 s): the one run of the demo in the suite.
 """
 
 from __future__ import annotations
