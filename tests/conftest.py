@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:      # the tests import examples/ (and spawned ranks inherit it)
     sys.path.insert(0, str(ROOT))
 
-from ray_head import TRAIN_POLL_ENV  # noqa: E402 - tests/ is on sys.path once pytest runs
+from ray_head import TRAIN_POLL_ENV  # tests/ is on sys.path once pytest runs
 
 for key, value in TRAIN_POLL_ENV.items():    # every Ray cluster a test starts inherits it
     os.environ.setdefault(key, value)

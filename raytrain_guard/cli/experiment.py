@@ -30,8 +30,9 @@ def add_experiment_command(subparsers) -> None:
                     "on a local Ray cluster it starts, or on the cluster at --address (else "
                     "RAY_ADDRESS): same seed, data order and fault schedule. 'observe' "
                     "measures and decides but applies nothing; 'act' is the guard as shipped. "
-                    "Writes report.md, result.json and timeline.png to --out. Exit 0 when every arm ran "
-                    "(whatever it did), 2 bad input, 1 when the experiment could not run.")
+                    "Writes report.md, result.json and timeline.png to --out. Exit 0 when "
+                    "every arm ran (whatever it did), 2 bad input, 1 when the experiment could "
+                    "not run.")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="KIND:key=value,... e.g. slow_compute:rank=1,start=25,factor=2.5 (or "
                         "node=K instead of rank: every rank of node K); kinds: "
