@@ -162,8 +162,10 @@ class GuardConfig:
         8, "Samples the guarded DataLoader reads and collates before starting workers, to "
         "measure batch bytes and check that samples agree in type and shape. Default 8.", 1)
     worker_memory_interval_s: float = _doc(
-        5.0, "Sampling interval of the DataLoader workers' private memory (USS). Default 5 s: "
-        "reading smaps stays far below 1 % of a core.", 0.0, lo_open=True)
+        5.0, "Sampling interval of a process's private memory (USS): the guarded DataLoader's "
+        "workers, and the node monitor's train workers and their loader workers. Default 5 s: "
+        "reading smaps (some 7 ms for a process holding torch) stays far below 1 % of a core.",
+        0.0, lo_open=True)
     worker_memory_growth_samples: int = _doc(
         5, "Consecutive non-decreasing worker-memory samples that count as steady growth "
         "(copy-on-read). Default 5: 20 s of climbing.", 2)

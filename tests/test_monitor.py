@@ -152,6 +152,36 @@ def test_psutil_probe_measures_a_worker_and_its_loader_children():
         child.join()
 
 
+def test_private_memory_is_read_once_per_interval_and_forgotten_when_gone(monkeypatch):
+    """A USS reading walks a process's page tables (some 7 ms for a rank holding torch): the
+    probe reads each process again only after ``private_interval_s``, and drops the readings
+    of processes that are gone."""
+    from raytrain_guard.cluster.monitor import probes
+    reads = []
+    monkeypatch.setattr(probes, "private_bytes", lambda pid: reads.append(pid) or 1 * MiB)
+    now = [100.0]
+    probe = PsutilHostProbe(5.0, clock=lambda: now[0])
+    me = os.getpid()
+    assert probe.sample({me: 0}).workers[0].private_bytes == 1 * MiB
+    first = len(reads)                                   # this process and its children
+    assert reads.count(me) == 1
+    now[0] += 4.9                                        # within the interval: the last one
+    assert probe.sample({me: 0}).workers[0].private_bytes == 1 * MiB
+    assert len(reads) == first
+    now[0] += 0.1                                        # 5 s after the first: read again
+    probe.sample({me: 0})
+    assert reads.count(me) == 2
+    probe.sample({})                                     # no longer registered: forgotten
+    assert probe._private == {}
+    assert PsutilHostProbe()._private_interval_s == 0.0  # alone: every sample reads
+
+
+def test_the_monitors_host_probe_reads_private_memory_at_the_configured_interval():
+    mon = NodeMonitor("node-i", GuardConfig(worker_memory_interval_s=7.0),
+                      gpu_probe=ScriptedGpuProbe([[]]))
+    assert mon._host_probe._private_interval_s == 7.0
+
+
 def test_background_thread_samples_at_the_interval():
     sent = []
     cfg = GuardConfig(monitor_interval_s=0.05)

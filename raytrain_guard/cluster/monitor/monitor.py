@@ -57,7 +57,8 @@ class NodeMonitor:
         self._host_probe = host_probe
         if host_probe is None:
             try:
-                self._host_probe = node_probes.PsutilHostProbe()
+                self._host_probe = node_probes.PsutilHostProbe(
+                    self.config.worker_memory_interval_s)
             except Exception as exc:
                 self._warn_once("host", "host probe unavailable (%s); no host figures", exc)
         self._stop = threading.Event()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -89,32 +90,56 @@ def _optional(read: Callable[[], Any]) -> Any:
 
 class PsutilHostProbe:
     """Host memory (the container's cgroup limit when lower), swap, CPU, and each registered
-    worker's private memory (USS) and its DataLoader workers' (its child processes)."""
+    worker's private memory (USS) and its DataLoader workers' (its child processes).
 
-    def __init__(self) -> None:
+    A process's USS is read from its smaps, some 7 ms of kernel time for a rank holding torch
+    (6 processes, 2 ranks with 2 loader workers each: 45 ms a sample, docs/benchmarks.md). It
+    is read again once ``private_interval_s`` (``worker_memory_interval_s``, 5 s) has passed;
+    between, a sample reuses each process's last reading. Host memory, swap and CPU are read
+    at every sample."""
+
+    def __init__(self, private_interval_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         import psutil
         self._psutil = psutil
+        self._private_interval_s = private_interval_s
+        self._clock = clock
+        self._private: dict[int, tuple[float, int | None]] = {}   # pid -> (read at, bytes)
         psutil.cpu_percent(None)   # prime: the first call always returns 0.0
 
     def sample(self, workers: Mapping[int, int | None]) -> HostSample:
         ps = self._psutil
         total, available = host_memory()
         sw = ps.swap_memory()
+        now = self._clock()
+        seen: set[int] = set()
         memories = []
         for pid, rank in sorted(workers.items()):
             try:
                 children = ps.Process(pid).children(recursive=True)
             except ps.Error:
                 continue   # gone: the monitor stops sampling it
-            own = private_bytes(pid)
+            seen.add(pid)
+            seen.update(c.pid for c in children)
+            own = self._private_bytes(pid, now)
             if own is None:
                 continue
-            loaders = [private_bytes(c.pid) for c in children]
+            loaders = [self._private_bytes(c.pid, now) for c in children]
             memories.append(WorkerMemory(pid, rank, own, sum(b for b in loaders if b),
                                          len(children)))
+        for pid in [p for p in self._private if p not in seen]:
+            del self._private[pid]
         return HostSample(memory_total_bytes=total, memory_available_bytes=available,
                           swap_used_bytes=int(sw.used), swap_total_bytes=int(sw.total),
                           cpu_frac=ps.cpu_percent(None) / 100.0, workers=tuple(memories))
+
+    def _private_bytes(self, pid: int, now: float) -> int | None:
+        """``pid``'s USS: read when its last reading is ``private_interval_s`` old."""
+        last = self._private.get(pid)
+        if last is None or now - last[0] >= self._private_interval_s:
+            last = (now, private_bytes(pid))
+            self._private[pid] = last
+        return last[1]
 
 
 # -- scripted probes (tests and rehearsals) ----------------------------------------------------
