@@ -12,7 +12,10 @@ off then on, pair 1 on then off, ...) so that a drift of the box's load falls on
 arm, ``local`` (``--arms off local on``), runs the guard's worker side under Ray's own
 ``TorchTrainer``: the callbacks, hooks, gate and lockstep without the node monitors, the
 coordinator and its reports; ``local`` against ``off`` is what the worker pays in the step,
-``on`` against ``local`` what the cluster layer adds.
+``on`` against ``local`` what the cluster layer adds. A fourth, ``idle``, is ``on`` with the
+cluster layer's actors started but quiet (no reports, a monitor sample and a policy round a
+minute: :data:`IDLE_GUARD`): ``idle`` against ``on`` is what that work costs the ranks on a box
+with no spare core.
 
 Throughput is measured inside the workers, over the training loop only (Ray's startup, the
 worker group, the guard's actors, the allreduce curve ``prepare_model`` measures and the first
@@ -50,6 +53,7 @@ from examples import hf_trainer, lightning_trainer
 from examples import ray_data as ray_data_example
 
 EXAMPLES = ("hf", "lightning", "ray_data")
+IDLE_GUARD = {"report_every_steps": 10**6, "monitor_interval_s": 60.0, "decision_interval_s": 60.0}
 NAMESPACE = "rtg_bench_integrations"
 
 
@@ -178,8 +182,9 @@ def run_once(example: str, arm: str, tag: str, out: str, storage: str,
               "run_config": RunConfig(name=tag, storage_path=storage), "datasets": datasets}
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    if arm == "on":
-        result = TorchTrainer(fn, guard={"namespace": NAMESPACE}, **kwargs).fit()
+    if arm in ("on", "idle"):
+        guard = {"namespace": NAMESPACE, **(IDLE_GUARD if arm == "idle" else {})}
+        result = TorchTrainer(fn, guard=guard, **kwargs).fit()
     else:
         result = ray.train.torch.TorchTrainer(fn, **kwargs).fit()
     if result.error is not None:
@@ -199,7 +204,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--only", nargs="+", choices=EXAMPLES, default=list(EXAMPLES))
-    parser.add_argument("--arms", nargs="+", choices=("off", "local", "on"),
+    parser.add_argument("--arms", nargs="+", choices=("off", "local", "on", "idle"),
                         default=["off", "on"], help="off first: the ratios are against it")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out at the start")
     parser.add_argument("--hf-steps", type=int, default=150)
