@@ -171,9 +171,13 @@ def test_private_memory_is_read_once_per_interval_and_forgotten_when_gone(monkey
     now[0] += 0.1                                        # 5 s after the first: read again
     probe.sample({me: 0})
     assert reads.count(me) == 2
-    probe.sample({})                                     # no longer registered: forgotten
-    assert probe._private == {}
-    assert PsutilHostProbe()._private_interval_s == 0.0  # alone: every sample reads
+    probe.sample({})                                     # no longer registered: forgotten,
+    probe.sample({me: 0})                                # so read at once when it is again
+    assert reads.count(me) == 3
+    alone = PsutilHostProbe()                            # no interval: every sample reads
+    alone.sample({me: 0})
+    alone.sample({me: 0})
+    assert reads.count(me) == 5
 
 
 def test_the_monitors_host_probe_reads_private_memory_at_the_configured_interval():

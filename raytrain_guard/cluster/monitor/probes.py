@@ -112,34 +112,31 @@ class PsutilHostProbe:
         total, available = host_memory()
         sw = ps.swap_memory()
         now = self._clock()
-        seen: set[int] = set()
+        last, self._private = self._private, {}    # processes not seen now are forgotten
         memories = []
         for pid, rank in sorted(workers.items()):
             try:
                 children = ps.Process(pid).children(recursive=True)
             except ps.Error:
                 continue   # gone: the monitor stops sampling it
-            seen.add(pid)
-            seen.update(c.pid for c in children)
-            own = self._private_bytes(pid, now)
+            own = self._private_bytes(pid, now, last)
             if own is None:
                 continue
-            loaders = [self._private_bytes(c.pid, now) for c in children]
+            loaders = [self._private_bytes(c.pid, now, last) for c in children]
             memories.append(WorkerMemory(pid, rank, own, sum(b for b in loaders if b),
                                          len(children)))
-        for pid in [p for p in self._private if p not in seen]:
-            del self._private[pid]
         return HostSample(memory_total_bytes=total, memory_available_bytes=available,
                           swap_used_bytes=int(sw.used), swap_total_bytes=int(sw.total),
                           cpu_frac=ps.cpu_percent(None) / 100.0, workers=tuple(memories))
 
-    def _private_bytes(self, pid: int, now: float) -> int | None:
-        """``pid``'s USS: read when its last reading is ``private_interval_s`` old."""
-        last = self._private.get(pid)
-        if last is None or now - last[0] >= self._private_interval_s:
-            last = (now, private_bytes(pid))
-            self._private[pid] = last
-        return last[1]
+    def _private_bytes(self, pid: int, now: float,
+                       last: Mapping[int, tuple[float, int | None]]) -> int | None:
+        """``pid``'s USS: its ``last`` reading until that is ``private_interval_s`` old."""
+        reading = last.get(pid)
+        if reading is None or now - reading[0] >= self._private_interval_s:
+            reading = (now, private_bytes(pid))
+        self._private[pid] = reading
+        return reading[1]
 
 
 # -- scripted probes (tests and rehearsals) ----------------------------------------------------
