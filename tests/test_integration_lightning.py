@@ -8,10 +8,11 @@ One stopped run and its resume:
 * rank 1 is 3x slower in forward (a forward hook of this test): named the compute straggler;
 * a ``checkpoint`` decision at step 5 (injected where the guard answers ``should_checkpoint``)
   saves and reports a checkpoint of step 5 through Ray's callback, and training goes on;
-* a stop requested from the driver sets ``trainer.should_stop`` on both ranks at the same
-  agreement step; Ray's callback reports the checkpoint of that step;
-* the run resumed with ``ckpt_path`` continues from that step to the end, and the two runs
-  together train every sample of each epoch exactly once.
+* rank 0 asks for a stop at step 45, inside the second epoch; both ranks stop at step 50 (the
+  next agreement step), Ray's callback reports the checkpoint of that step, and no epoch-end
+  checkpoint follows it;
+* the run resumed with ``ckpt_path`` continues from that step to the end: each rank trains, epoch
+  by epoch, exactly the samples in exactly the order of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ pytest.importorskip("lightning")
 from examples import lightning_trainer
 from examples.lightning_trainer import Regressor, build_trainer, fit, make_loader
 from raytrain_guard.config import GuardConfig
-from stop_when_training import StopWhenTraining
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -40,6 +40,7 @@ RAY_NUM_CPUS = 4
 SAMPLES, BATCH, WORKERS, EPOCHS = 10240, 128, 2, 2
 STEPS_PER_EPOCH = SAMPLES // (BATCH * WORKERS)        # 40
 CHECKPOINT_AT = 5                                     # a checkpoint decision, without a stop
+STOP_ASKED = 45                     # rank 0 asks; every rank stops at the next agreement step
 
 BLOCKED = r"""
 import sys
@@ -67,19 +68,21 @@ def test_missing_lightning_is_one_line_naming_the_extra():
 
 def slowed_train_func(config):
     """examples/lightning_trainer.py's Trainer; this test's hooks record the sample ids each
-    rank trains on, and make rank 1's forward 3x as long."""
+    rank trains on in each epoch, make rank 1's forward 3x as long, and ask for a stop."""
     import lightning.pytorch as pl
     import ray.train
 
     from raytrain_guard.train import get_guard
 
     rank = ray.train.get_context().get_world_rank()
-    seen: list[int] = []
+    seen: dict[int, list[int]] = {}
     started: dict[str, float] = {}
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            seen.extend(batch["id"].tolist())
+            seen.setdefault(trainer.current_epoch, []).extend(batch["id"].tolist())
+            if rank == 0 and trainer.global_step == config.get("stop_asked"):
+                get_guard().request_stop("the test asks")
 
     def start(module, args):
         started["t"] = time.perf_counter()
@@ -104,7 +107,7 @@ def slowed_train_func(config):
     finally:
         path = os.path.join(config["record_dir"], f"{config['attempt']}-{rank}.json")
         with open(path, "w") as f:
-            json.dump({"ids": seen, "global_step": trainer.global_step,
+            json.dump({"ids": {str(e): ids for e, ids in seen.items()}, "global_step": trainer.global_step,
                        "stopped_at": get_guard().stopped_at}, f)
 
 
@@ -131,31 +134,25 @@ def test_lightning_is_guarded_stopped_and_resumed(ray_instance):
               "record_dir": records}
 
     start = time.perf_counter()
-    trainer = _trainer({**config, "attempt": 1, "slow": True, "checkpoint_at": CHECKPOINT_AT},
-                       storage)
-    stopper = StopWhenTraining(trainer, RAY_NAMESPACE)
-    stopper.start()
-    try:
-        first = trainer.fit()
-    finally:
-        stopper.done.set()
-        stopper.join(timeout=30)
+    first = _trainer({**config, "attempt": 1, "slow": True, "checkpoint_at": CHECKPOINT_AT,
+                      "stop_asked": STOP_ASKED}, storage).fit()
     print(first.guard.format(), f"\nfirst run {time.perf_counter() - start:.1f} s")
-    assert stopper.error is None and first.error is None, (stopper.error, first.error)
+    assert first.error is None, first.error
 
     report = first.guard
     ranks = {r["world_rank"]: r for r in report.ranks}
     stopped = {r: s["stopped_at"] for r, s in ranks.items()}
     k = GuardConfig().lockstep_every_steps
-    assert stopped[0] == stopped[1] and stopped[0] % k == 0, stopped
-    assert stopper.asked_at < stopped[0] < EPOCHS * STEPS_PER_EPOCH, (stopper.asked_at, stopped)
+    stop = (STOP_ASKED // k + 1) * k                                  # 50: inside epoch 2
+    assert stopped == {0: stop, 1: stop}, stopped
     run1 = [_read(os.path.join(records, f"1-{r}.json")) for r in range(WORKERS)]
-    assert [r["global_step"] for r in run1] == [stopped[0]] * WORKERS
+    assert [r["global_step"] for r in run1] == [stop] * WORKERS
     assert first.checkpoint is not None
-    assert first.metrics["step"] == stopped[0]          # Ray's callback: the stopped step
-    # the checkpoint decision: one more checkpoint, of that step, and training went on
-    steps = sorted(metrics["step"] for _, metrics in first.best_checkpoints)
-    assert steps == [CHECKPOINT_AT, stopped[0]], steps
+    assert first.metrics["step"] == stop                # Ray's callback: the stopped step
+    # the checkpoint decision's (step 5, training went on), the first epoch's end, the stop's;
+    # no epoch-end checkpoint after the stop's (it would mark the second epoch trained)
+    steps = [metrics["step"] for _, metrics in first.best_checkpoints]
+    assert sorted(steps) == [CHECKPOINT_AT, STEPS_PER_EPOCH, stop], steps
 
     roles = {a["world_rank"]: a for a in report.attribution}
     assert roles[1]["role"] == "straggler_compute", roles
@@ -166,10 +163,24 @@ def test_lightning_is_guarded_stopped_and_resumed(ray_instance):
     assert second.error is None, second.error
     run2 = [_read(os.path.join(records, f"2-{r}.json")) for r in range(WORKERS)]
     assert [r["global_step"] for r in run2] == [EPOCHS * STEPS_PER_EPOCH] * WORKERS, \
-        (stopped, [r["global_step"] for r in run2], [len(r["ids"]) for r in run1 + run2])
-    trained = sorted(i for run in (run1, run2) for r in run for i in r["ids"])
-    print("trained", len(trained), "of", EPOCHS * SAMPLES)
-    assert trained == sorted(list(range(SAMPLES)) * EPOCHS)   # each sample once per epoch
+        [r["global_step"] for r in run2]
+    for rank in range(WORKERS):
+        for epoch in range(EPOCHS):
+            trained = (run1[rank]["ids"].get(str(epoch), [])
+                       + run2[rank]["ids"].get(str(epoch), []))
+            assert trained == _uninterrupted_order(rank, epoch), (
+                rank, epoch, len(trained), len(set(trained)))
+
+
+def _uninterrupted_order(rank: int, epoch: int) -> list[int]:
+    """The sample ids rank ``rank`` trains in ``epoch`` without a stop: Lightning's
+    DistributedSampler (shuffled, seed 0) over the dataset."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(SAMPLES), num_replicas=WORKERS, rank=rank, shuffle=True,
+                                 seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
 
 
 def _read(path: str) -> dict:

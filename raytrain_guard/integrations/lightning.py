@@ -14,15 +14,22 @@ with Ray's ``RayDDPStrategy``, ``RayLightningEnvironment`` and ``prepare_trainer
   per GPU) as the Hugging Face integration holds it. Lightning starts the first epoch's
   iterator before ``on_train_start``, so a change applies from the second epoch;
 - a stop (``TorchTrainer.request_stop``, a CHECKPOINT_AND_STOP decision) sets
-  ``trainer.should_stop`` at the step every rank agreed on; Ray's ``RayTrainReportCallback``
-  then saves and reports the checkpoint at the epoch's end (Lightning ends the epoch there).
-  Resume with ``trainer.fit(model, ckpt_path=...)``: the guard counts from the restored step;
+  ``trainer.should_stop`` at the step every rank agreed on, after Ray's
+  ``RayTrainReportCallback`` saved and reported a checkpoint of that step (as
+  ``ModelCheckpoint(every_n_train_steps=...)`` saves one: Lightning restores it as a restart
+  inside the epoch). Lightning then ends the epoch early, and the epoch-end save of Ray's
+  callback is skipped for that fit: it would record the unfinished epoch as trained;
+- a resume (``trainer.fit(model, ckpt_path=...)``) continues where the checkpoint was saved:
+  the loader's sampler is set to the resumed epoch and its first pass leaves out the batches
+  that epoch already trained (:func:`position_resumed_loader`), so the two runs train each
+  sample of each epoch once, in the order of an uninterrupted run. The guard counts from the
+  restored step;
 - a ``checkpoint`` decision (no stop) saves and reports a checkpoint at the agreed step through
   Ray's ``RayTrainReportCallback`` of the trainer, as it does at an epoch's end (the same
   ``checkpoint.ckpt`` layout, ``ray.train.report`` on every rank at the same step), and
   training goes on. Lightning has no "save now" signal of its own for a callback to set (the
   ``ModelCheckpoint`` triggers are steps, epochs or times fixed in advance), so without Ray's
-  callback the decision is logged once and not honoured.
+  callback the decision (and the stop's checkpoint) is logged once and not honoured.
 
 ``RayFSDPStrategy`` is Lightning's FSDP1 and needs CUDA: not checked on gloo/CPU here.
 docs/integrations.md.
@@ -30,8 +37,12 @@ docs/integrations.md.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from raytrain_guard.integrations import require
 from raytrain_guard.integrations.trainer_loader import StepClock, fit_loader
@@ -57,7 +68,8 @@ class GuardCallback(_pl.Callback):
         self._guard = guard
         self._clock = StepClock()
         self.loader: Any = None
-        self._stop_logged = self._checkpoint_logged = False
+        self._checkpoint_logged = False
+        self._silenced: Any = None       # Ray's callback while its epoch-end save is skipped
 
     @property
     def guard(self) -> Any:
@@ -86,6 +98,11 @@ class GuardCallback(_pl.Callback):
                                exc_info=True)
             if self.loader is not None:
                 guard.attach_loader(self.loader)
+        try:
+            position_resumed_loader(trainer)
+        except Exception:
+            logger.warning("rank %s: the resumed loader was not positioned", guard.rank,
+                           exc_info=True)
         self._clock.paused()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
@@ -105,17 +122,18 @@ class GuardCallback(_pl.Callback):
             self.loader.record_step(self._clock.wait_s, step_s)
         guard = self.guard
         if guard.should_stop():
-            trainer.should_stop = True
-            if not self._stop_logged:
-                self._stop_logged = True
+            if not trainer.should_stop:
                 logger.warning("rank %s step %d: checkpoint and stop: %s", guard.rank,
                                trainer.global_step, guard.stop_reason)
+                self._checkpoint(trainer, pl_module, stopping=True)
+                trainer.should_stop = True
         elif guard.should_checkpoint():
             self._checkpoint(trainer, pl_module)
 
-    def _checkpoint(self, trainer: Any, pl_module: Any) -> None:
-        """A ``checkpoint`` decision at this step (the same on every rank): Ray's callback saves
-        and reports one now, as at an epoch's end."""
+    def _checkpoint(self, trainer: Any, pl_module: Any, *, stopping: bool = False) -> None:
+        """Ray's callback saves and reports a checkpoint of this step (the same on every rank),
+        as at an epoch's end. ``stopping``: the run's last; the epoch-end save that follows
+        Lightning's early end of the epoch is skipped until the fit ends."""
         from ray.train.lightning import RayTrainReportCallback  # imports lightning: after require
 
         reporter = next((c for c in trainer.callbacks
@@ -130,6 +148,15 @@ class GuardCallback(_pl.Callback):
         logger.info("rank %s step %d: checkpoint (a guard decision)", self.guard.rank,
                     trainer.global_step)
         reporter.on_train_epoch_end(trainer, pl_module)
+        if stopping:
+            # an instance attribute shadows the method; on_train_end removes it
+            reporter.on_train_epoch_end = _skipped_after_stop
+            self._silenced = reporter
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._silenced is not None:
+            del self._silenced.on_train_epoch_end
+            self._silenced = None
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
         self._paused()
@@ -140,3 +167,64 @@ class GuardCallback(_pl.Callback):
     def _paused(self) -> None:
         self.guard.note_pause()
         self._clock.paused()
+
+
+def _skipped_after_stop(trainer: Any, pl_module: Any) -> None:
+    logger.info("step %d: the epoch ended early for the guard's stop: its checkpoint of this "
+                "step is the run's last, the epoch-end save is skipped", trainer.global_step)
+
+
+class _LeaveOutFirst:
+    """A sampler whose next pass leaves out its first ``count`` indices; then it is ``sampler``."""
+
+    def __init__(self, sampler: Any, count: int) -> None:
+        self.sampler = sampler
+        self.count = count
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = iter(self.sampler)
+        if self.count:
+            indices, self.count = itertools.islice(indices, self.count, None), 0
+        return indices
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def position_resumed_loader(trainer: Any) -> int:
+    """Point a restored fit's training loader where its checkpoint was saved; returns the
+    batches of the epoch it leaves out.
+
+    Lightning restores a checkpoint saved inside an epoch (the guard's stop or ``checkpoint``
+    decision, ``ModelCheckpoint(every_n_train_steps=...)``) with the epoch's batch count, but
+    iterates a plain DataLoader from the epoch's start, and it started that iterator before
+    ``set_epoch`` gave the sampler the resumed epoch. Here the sampler gets the epoch, the
+    batch sampler's next pass leaves out the batches already trained (``batches x
+    batch_size`` indices of this rank's order), and Lightning's data fetcher starts a new
+    iterator, as it does at each epoch's start. A loader this cannot position (an iterable
+    dataset, a batch sampler of the user's) is warned about once and left as Lightning has it.
+    """
+    fit_loop = trainer.fit_loop
+    if not fit_loop.restarting or fit_loop._data_fetcher is None:
+        return 0
+    done = int(fit_loop.epoch_loop.batch_progress.current.processed)
+    if not fit_loop.restarted_mid_epoch or done >= trainer.num_training_batches:
+        done = 0
+    loaders = fit_loop._combined_loader.flattened
+    batch_samplers = [getattr(loader, "batch_sampler", None) for loader in loaders]
+    if not all(isinstance(b, torch.utils.data.BatchSampler) for b in batch_samplers):
+        logger.warning("resumed at step %d, %d batches into epoch %d: the training loader has "
+                       "no torch BatchSampler to position; Lightning iterates it from the "
+                       "epoch's start", trainer.global_step, done, trainer.current_epoch)
+        return 0
+    for loader, batches in zip(loaders, batch_samplers):
+        if callable(getattr(loader.sampler, "set_epoch", None)):
+            loader.sampler.set_epoch(trainer.current_epoch)
+        if done:
+            batches.sampler = _LeaveOutFirst(batches.sampler, done * batches.batch_size)
+    iter(fit_loop._data_fetcher)
+    if done:
+        logger.info("resumed at step %d: %d batches of epoch %d were trained before the "
+                    "checkpoint, the loader starts after them", trainer.global_step, done,
+                    trainer.current_epoch)
+    return done
