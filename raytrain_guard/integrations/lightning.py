@@ -68,7 +68,7 @@ class GuardCallback(_pl.Callback):
         self._guard = guard
         self._clock = StepClock()
         self.loader: Any = None
-        self._checkpoint_logged = False
+        self._checkpoint_logged = self._stopped = False
         self._silenced: Any = None       # Ray's callback while its epoch-end save is skipped
 
     @property
@@ -76,6 +76,7 @@ class GuardCallback(_pl.Callback):
         return self._guard if self._guard is not None else current_guard()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._stopped = False
         guard = self.guard
         guard.build()
         wrapped = trainer.strategy.model or pl_module
@@ -122,11 +123,12 @@ class GuardCallback(_pl.Callback):
             self.loader.record_step(self._clock.wait_s, step_s)
         guard = self.guard
         if guard.should_stop():
-            if not trainer.should_stop:
+            if not self._stopped:
+                self._stopped = True
                 logger.warning("rank %s step %d: checkpoint and stop: %s", guard.rank,
                                trainer.global_step, guard.stop_reason)
                 self._checkpoint(trainer, pl_module, stopping=True)
-                trainer.should_stop = True
+            trainer.should_stop = True
         elif guard.should_checkpoint():
             self._checkpoint(trainer, pl_module)
 
@@ -141,12 +143,13 @@ class GuardCallback(_pl.Callback):
         if reporter is None:
             if not self._checkpoint_logged:
                 self._checkpoint_logged = True
-                logger.warning("rank %s step %d: a checkpoint decision is not honoured: the "
-                               "trainer has no ray.train.lightning.RayTrainReportCallback to "
-                               "save and report it", self.guard.rank, trainer.global_step)
+                logger.warning("rank %s step %d: the guard's checkpoint (a decision's or a "
+                               "stop's) is not saved: the trainer has no "
+                               "ray.train.lightning.RayTrainReportCallback to save and report "
+                               "it", self.guard.rank, trainer.global_step)
             return
-        logger.info("rank %s step %d: checkpoint (a guard decision)", self.guard.rank,
-                    trainer.global_step)
+        logger.info("rank %s step %d: checkpoint (%s)", self.guard.rank, trainer.global_step,
+                    "the stop's" if stopping else "a guard decision")
         reporter.on_train_epoch_end(trainer, pl_module)
         if stopping:
             # an instance attribute shadows the method; on_train_end removes it
@@ -202,7 +205,7 @@ def position_resumed_loader(trainer: Any) -> int:
     batch sampler's next pass leaves out the batches already trained (``batches x
     batch_size`` indices of this rank's order), and Lightning's data fetcher starts a new
     iterator, as it does at each epoch's start. A loader this cannot position (an iterable
-    dataset, a batch sampler of the user's) is warned about once and left as Lightning has it.
+    dataset, a batch sampler of the user's) is warned about and trains the epoch from its start.
     """
     fit_loop = trainer.fit_loop
     if not fit_loop.restarting or fit_loop._data_fetcher is None:
@@ -211,20 +214,20 @@ def position_resumed_loader(trainer: Any) -> int:
     if not fit_loop.restarted_mid_epoch or done >= trainer.num_training_batches:
         done = 0
     loaders = fit_loop._combined_loader.flattened
-    batch_samplers = [getattr(loader, "batch_sampler", None) for loader in loaders]
-    if not all(isinstance(b, torch.utils.data.BatchSampler) for b in batch_samplers):
-        logger.warning("resumed at step %d, %d batches into epoch %d: the training loader has "
-                       "no torch BatchSampler to position; Lightning iterates it from the "
-                       "epoch's start", trainer.global_step, done, trainer.current_epoch)
-        return 0
-    for loader, batches in zip(loaders, batch_samplers):
-        if callable(getattr(loader.sampler, "set_epoch", None)):
+    for loader in loaders:
+        if callable(getattr(getattr(loader, "sampler", None), "set_epoch", None)):
             loader.sampler.set_epoch(trainer.current_epoch)
-        if done:
-            batches.sampler = _LeaveOutFirst(batches.sampler, done * batches.batch_size)
-    iter(fit_loop._data_fetcher)
+    batch_samplers = [getattr(loader, "batch_sampler", None) for loader in loaders]
+    if done and not all(isinstance(b, torch.utils.data.BatchSampler) for b in batch_samplers):
+        logger.warning("resumed at step %d, %d batches into epoch %d: the training loader has "
+                       "no torch BatchSampler to position; Lightning trains the epoch from its "
+                       "start", trainer.global_step, done, trainer.current_epoch)
+        done = 0
     if done:
+        for batches in batch_samplers:
+            batches.sampler = _LeaveOutFirst(batches.sampler, done * batches.batch_size)
         logger.info("resumed at step %d: %d batches of epoch %d were trained before the "
                     "checkpoint, the loader starts after them", trainer.global_step, done,
                     trainer.current_epoch)
+    iter(fit_loop._data_fetcher)      # Lightning's fetcher starts a new iterator of the loader
     return done
