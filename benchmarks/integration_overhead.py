@@ -15,7 +15,9 @@ coordinator and its reports; ``local`` against ``off`` is what the worker pays i
 ``on`` against ``local`` what the cluster layer adds. A fourth, ``idle``, is ``on`` with the
 cluster layer's actors started but quiet (no reports, a monitor sample and a policy round a
 minute: :data:`IDLE_GUARD`): ``idle`` against ``on`` is what that work costs the ranks on a box
-with no spare core.
+with no spare core. ``--lightning-device-ms MS`` gives the Lightning steps GPU-like time: the
+host waits MS a step in forward and backward (the experiment's device-time model), as a host
+waits on a GPU's kernels, so the ranks leave the CPU free as they would beside a GPU.
 
 Throughput is measured inside the workers, over the training loop only (Ray's startup, the
 worker group, the guard's actors, the allreduce curve ``prepare_model`` measures and the first
@@ -94,6 +96,7 @@ def lightning_func(config: dict) -> None:
     callback."""
     import lightning.pytorch as pl
 
+    from raytrain_guard.experiment.device_time import DeviceTime
     from raytrain_guard.integrations.lightning import GuardCallback
 
     marks: dict[str, Any] = {}
@@ -108,8 +111,10 @@ def lightning_func(config: dict) -> None:
     if config["arm"] == "off":
         trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, GuardCallback)]
     trainer.callbacks.append(Clock())
-    trainer.fit(lightning_trainer.Regressor(config["hidden"]),
-                train_dataloaders=lightning_trainer.make_loader(config))
+    model = lightning_trainer.Regressor(config["hidden"])
+    if config["device_ms"]:
+        DeviceTime(config["device_ms"] / 1000).attach(model.net)
+    trainer.fit(model, train_dataloaders=lightning_trainer.make_loader(config))
     _write(config, ray.train.get_context().get_world_rank(), marks["step"] - config["warmup"],
            marks["end"] - marks["start"])
 
@@ -173,7 +178,7 @@ def run_once(example: str, arm: str, tag: str, out: str, storage: str,
     elif example == "lightning":
         fn = lightning_func
         config.update(max_epochs=1, batch_size=16, samples=16 * 2 * args.lightning_steps,
-                      hidden=args.lightning_hidden)
+                      hidden=args.lightning_hidden, device_ms=args.lightning_device_ms)
     else:
         fn = ray_data_func
         config.update(epochs=3, batch_size=64)
@@ -211,6 +216,10 @@ def main() -> int:
     parser.add_argument("--lightning-steps", type=int, default=300)
     parser.add_argument("--lightning-hidden", type=int, default=256,
                         help="the Lightning model's width: 256 makes ~9 ms steps here, 1024 ~28 ms")
+    parser.add_argument("--lightning-device-ms", type=float, default=0.0,
+                        help="GPU-like steps: the host waits this long a step in forward and "
+                        "backward, as on a GPU's kernels (raytrain_guard.experiment.device_time)"
+                        "; 0: the CPU-bound steps")
     parser.add_argument("--ray-data-rows", type=int, default=4096)
     parser.add_argument("--out", default=None, help="folder for the runs' JSON")
     args = parser.parse_args()
