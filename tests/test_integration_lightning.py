@@ -10,7 +10,10 @@ One stopped run and its resume:
   saves and reports a checkpoint of step 5 through Ray's callback, and training goes on;
 * rank 0 asks for a stop at step 45, inside the second epoch; both ranks stop at step 50 (the
   next agreement step), Ray's callback reports the checkpoint of that step, and no epoch-end
-  checkpoint follows it;
+  checkpoint follows it. The stop is asked on a rank, not from the driver, so that it lands
+  inside an epoch on any box (from the driver it landed 10-40 steps after the ask); the
+  driver's ``TorchTrainer.request_stop`` reaches the same ``should_stop`` through the
+  coordinator (tests/test_integration_transformers.py, tests/test_train_dropin_ray.py);
 * the run resumed with ``ckpt_path`` continues from that step to the end: each rank trains, epoch
   by epoch, exactly the samples in exactly the order of an uninterrupted run.
 """
@@ -107,7 +110,8 @@ def slowed_train_func(config):
     finally:
         path = os.path.join(config["record_dir"], f"{config['attempt']}-{rank}.json")
         with open(path, "w") as f:
-            json.dump({"ids": {str(e): ids for e, ids in seen.items()}, "global_step": trainer.global_step,
+            json.dump({"ids": {str(e): ids for e, ids in seen.items()},
+                       "global_step": trainer.global_step,
                        "stopped_at": get_guard().stopped_at}, f)
 
 
