@@ -12,8 +12,7 @@ with Ray's ``RayDDPStrategy``, ``RayLightningEnvironment`` and ``prepare_trainer
   communication is timed by its comm hook;
 - the training DataLoader is held to the host budget (``host_prefetch_frac``, 5 % of host RAM
   per GPU) as the Hugging Face integration holds it. Lightning starts the first epoch's
-  iterator before ``on_train_start``, so a change applies from the second epoch (at once in
-  a resumed fit, whose iterator the guard starts again);
+  iterator before ``on_train_start``, so a change applies from the second epoch;
 - a stop (``TorchTrainer.request_stop``, a CHECKPOINT_AND_STOP decision) sets
   ``trainer.should_stop`` at the step every rank agreed on, after Ray's
   ``RayTrainReportCallback`` saved and reported a checkpoint of that step (as
