@@ -64,14 +64,15 @@ class NvmlGpuProbe:
                 mem = nv.nvmlDeviceGetMemoryInfo(handle)
             except Exception as exc:
                 raise ProbeError(f"NVML failed reading GPU {index} memory: {exc}") from exc
-            util = _optional(lambda: nv.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
-            temp = _optional(lambda: float(nv.nvmlDeviceGetTemperature(handle,
-                                                                        nv.NVML_TEMPERATURE_GPU)))
-            power = _optional(lambda: nv.nvmlDeviceGetPowerUsage(handle) / 1000.0)  # mW -> W
-            mask = _optional(lambda: nv.nvmlDeviceGetCurrentClocksThrottleReasons(handle)) or 0
+            # each lambda runs at once, inside _optional; h=handle binds it all the same
+            util = _optional(lambda h=handle: nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0)
+            temp = _optional(lambda h=handle: float(nv.nvmlDeviceGetTemperature(
+                h, nv.NVML_TEMPERATURE_GPU)))
+            power = _optional(lambda h=handle: nv.nvmlDeviceGetPowerUsage(h) / 1000.0)  # mW -> W
+            mask = _optional(lambda h=handle: nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)) or 0
             reasons = tuple(r for r, bit in self._reason_bits.items() if mask & bit)
             out.append(GpuSample(index, int(mem.used), int(mem.total), util, temp, power, reasons,
-                                 _optional(lambda: self._pids(handle))))
+                                 _optional(lambda h=handle: self._pids(h))))
         return tuple(out)
 
     def _pids(self, handle: Any) -> tuple[int, ...]:
@@ -82,7 +83,7 @@ class NvmlGpuProbe:
 def _optional(read: Callable[[], Any]) -> Any:
     try:
         return read()
-    except Exception:
+    except Exception:  # noqa: BLE001 - an optional reading that fails reads None
         return None
 
 
