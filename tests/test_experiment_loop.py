@@ -46,7 +46,8 @@ def test_observing_the_spike_overflows_the_simulated_card_inside_the_step(tmp_pa
     with pytest.raises(torch.OutOfMemoryError, match="simulated card of rank 0") as raised:
         run()
     assert loop.steps.step == 6                             # the spike's first step
-    trace = [json.loads(line) for line in open(tmp_path / "observe/trace/rank0.jsonl")]
+    trace = [json.loads(line) for line in
+             (tmp_path / "observe/trace/rank0.jsonl").read_text().splitlines()]
     assert trace[-1]["t"] == "error" and trace[-1]["error"] == "OutOfMemoryError"
     # what the card would have held had the allocation fitted: past its capacity
     assert trace[-1]["capacity_bytes"] == BUILT_IN_DEVICE_MEMORY_BYTES
@@ -291,3 +292,20 @@ def test_a_resumed_runs_first_steps_settle(tmp_path):
     assert loop.steps.resumed_from == 10
     assert _judged(first) and _judged(loop) == _judged(first)
     assert _named(loop) == []
+
+
+def test_the_steps_a_spike_ran_in_pieces_are_not_judged_slow(tmp_path):
+    # Acting, the spike's three steps (20-22) run in pieces: each piece's forward waits as a
+    # device's does, so they take two to three times a step. Their time is the spike's, and
+    # each split decision says so: the gate judges none of them and no slow-step event names
+    # them (acting on a spike of three steps raised a "compute" event at its last step).
+    spike = parse_fault("activation_spike:rank=0,start=20,factor=8,steps=3")
+    loop, run = _run(tmp_path, "pieces", faults=(spike,), delays=(DEVICE_LIKE,), max_steps=26)
+    run()
+    splits = [d["applied_at"] for d in loop.recorder.decisions
+              if d["action"] == "split_micro_batch"]
+    assert splits == [20, 21, 22]
+    assert not {20, 21, 22} & _judged(loop)
+    assert {23, 24, 25} <= _judged(loop)
+    assert not [run for run in _named(loop) if run & {20, 21, 22}], (_named(loop),
+                                                                      _steps_ms(loop))

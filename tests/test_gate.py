@@ -166,6 +166,24 @@ def test_the_steps_after_a_checkpoint_settle_before_they_are_judged():
     assert [i for i, _ in feed_steps(StepGate(GuardConfig()), kinds)] == [10]
 
 
+def test_steps_the_guard_reshaped_are_not_judged():
+    # The guard ran steps 8-10 differently (a spike's micro-batch in pieces): their time is
+    # the spike's, and the split decision says so; the gate leaves them out of its rules and
+    # its window, so the slow-step event is the one of 14-16. Without the note, 8-10 make it.
+    kinds = WARM + ["compute"] * 3 + ["n"] * 3 + ["compute"] * 3
+    gate = StepGate(GuardConfig())
+    events = []
+    for i, kind in enumerate(kinds):
+        if i in (8, 9, 10):
+            gate.note_reshaped(i)
+        events += [i for d in gate.observe(StepStats(step=i, **(NORMAL if kind == "n"
+                                                                  else SLOW[kind])))
+                   if d.action is Action.SLOW_STEP]
+    assert events == [16]
+    assert [s.step for s in gate.window] == [2, 3, 4, 5, 6, 7, 11, 12, 13, 14, 15, 16]
+    assert [i for i, _ in feed_steps(StepGate(GuardConfig()), kinds)] == [10]
+
+
 def test_slow_steps_on_either_side_of_a_checkpoint_are_not_a_run():
     # Two slow steps before a checkpoint (12, 13), its three settling steps (14-16, not
     # judged) and a slow step after (17): not three slow steps in a row, so no event at 17;

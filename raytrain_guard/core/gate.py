@@ -29,8 +29,9 @@ _STATE_VERSION = 2
 class StepGate:
     """Per-rank rules over step statistics. ``clock`` (monotonic seconds) spaces cache
     releases; ``memory_cause``: what the memory fraction measures. The first
-    ``slow_step_warmup_steps`` steps and those that settle after a pause (:meth:`note_pause`)
-    are left out of the slow-step rules and of the window.
+    ``slow_step_warmup_steps`` steps, those that settle after a pause (:meth:`note_pause`) and
+    those the guard reshaped itself (:meth:`note_reshaped`) are left out of the slow-step rules
+    and of the window.
     """
 
     def __init__(self, config: GuardConfig, *, clock: Callable[[], float] = time.monotonic,
@@ -47,6 +48,7 @@ class StepGate:
         self.runs = SlowRuns(config, self.line, decide=self._decide)
         self._num_seen = 0
         self._settle_until = 0                   # steps before this one follow a pause
+        self._reshaped: set[int] = set()         # steps the guard ran differently (note_reshaped)
 
     def observe(self, stats: StepStats, *, cached_frac: float | None = None) -> list[Decision]:
         """Feed one step; returns the decisions it triggers (often none). ``cached_frac``:
@@ -60,7 +62,12 @@ class StepGate:
         gap_s = stats.idle_before_s
         if gap_s is not None and totals and gap_s > cfg.pause_gap_steps * totals[len(totals) // 2]:
             self.note_pause(stats.step)         # the loop paused before this step
-        if self._num_seen <= cfg.slow_step_warmup_steps or stats.step < self._settle_until:
+        reshaped = False
+        if self._reshaped:
+            reshaped = stats.step in self._reshaped
+            self._reshaped = {s for s in self._reshaped if s > stats.step}
+        if (self._num_seen <= cfg.slow_step_warmup_steps or stats.step < self._settle_until
+                or reshaped):
             return decisions
         event = self.runs.observe(stats)
         if event is not None:
@@ -82,6 +89,13 @@ class StepGate:
         cfg = self.config
         self._settle_until = next_step + max(cfg.slow_step_settle_steps,
                                              cfg.slow_step_warmup_steps)
+
+    def note_reshaped(self, step: int) -> None:
+        """The guard ran ``step`` differently from the steps around it (a spike's micro-batch in
+        pieces): its time is the spike's and the remedy's, not the run's pace, and the decision
+        that reshaped it already says why. The slow-step rules leave it out, and the window
+        too (the memory rules do not)."""
+        self._reshaped.add(step)
 
     def quiet_limits(self, num_steps: int) -> tuple[tuple[float, ...], float] | None:
         """``(totals_s, memory_frac)``: the j-th of the next ``num_steps`` steps decides

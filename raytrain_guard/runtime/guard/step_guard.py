@@ -108,6 +108,11 @@ class StepGuard:
         self._step = step
         self._fail_open.call("note_pause", lambda: self.feed.gate.note_pause(step))
 
+    def note_reshaped(self, step: int) -> None:
+        """The guard ran ``step`` differently (a spike in pieces): the gate does not judge its
+        time (:meth:`StepGate.note_reshaped`). Call it before ``end_step(step)``."""
+        self._fail_open.call("note_reshaped", lambda: self.feed.gate.note_reshaped(step))
+
     @property
     def gate(self) -> Any:
         """The :class:`StepGate`, with every finished step fed to it."""

@@ -80,6 +80,7 @@ class StepLoop:
             self.step = step + 1
             if self.splitter is not None and self.splitter.pending:
                 self.splitter.measure()
+                guard.note_reshaped(step)     # its time is the spike's, told by the split
             local = guard.end_step(step)
             if watchdog is not None:
                 watchdog.end()
