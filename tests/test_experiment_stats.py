@@ -73,6 +73,12 @@ def test_false_events_are_unmatched_detections_and_decisions_outside_every_fault
     assert stats.clean_steps(100, [FAULT]) == 80                # steps 40-59 are the fault's
     assert stats.false_events(a, [FAULT], late_steps=LATE) == 2
     assert stats.false_events_per_1000(a, [FAULT], late_steps=LATE) == 25.0   # 2 / 80 steps
+    # a spike split at the fault's first step answers that step's own batch: dated 40, in
+    # the fault (a lockstep decision applied at 40 answers step 39: false)
+    split = [{"action": "split_micro_batch", "step": 40, "applied": True}]
+    assert stats.false_events(arm(decisions=split), [FAULT], late_steps=LATE) == 0
+    paced = [{"action": "pace", "step": 40, "applied": True}]
+    assert stats.false_events(arm(decisions=paced), [FAULT], late_steps=LATE) == 1
     # a clean run: every step is clean, every applied decision false
     assert stats.false_events_per_1000(a, [], late_steps=LATE) == 40.0        # 4 / 100 steps
     assert stats.false_events_per_1000({**a, "steps": 0}, [], late_steps=LATE) is None

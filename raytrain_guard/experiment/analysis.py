@@ -204,9 +204,22 @@ def _with_node_index(detections: Sequence[dict[str, Any]], node_ids: Sequence[st
             for d in detections]
 
 
+#: decisions taken inside the step they apply to, on that step's own batch (the spike splitter
+#: prices a micro-batch before its forward): they answer that step, not the one before it
+IN_STEP_ACTIONS = frozenset({"split_micro_batch"})
+
+
+def dated_step(action: str | None, applied_at: int | None) -> int | None:
+    """The step a decision answers: ``applied_at - 1`` (``applied_at`` steps had finished: the
+    last of them is what it was decided on), or ``applied_at`` itself for one decided inside
+    that step (:data:`IN_STEP_ACTIONS`). The one dating rule of detections and decisions."""
+    if applied_at is None:
+        return None
+    return int(applied_at) - (0 if action in IN_STEP_ACTIONS else 1)
+
+
 def _dated(decision: Mapping[str, Any]) -> int | None:
-    applied = decision.get("applied_at")
-    return None if applied is None else int(applied) - 1
+    return dated_step(decision.get("action"), decision.get("applied_at"))
 
 
 def analyze_arm(arm_dir: str, faults: Sequence[FaultSpec], *, num_samples: int | None,

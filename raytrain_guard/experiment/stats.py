@@ -20,7 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_guard.core.stats import median_of_sorted
-from raytrain_guard.experiment.analysis import DETECTION_DELAY_TARGET_STEPS, fault_last_step
+from raytrain_guard.experiment.analysis import (
+    DETECTION_DELAY_TARGET_STEPS,
+    dated_step,
+    fault_last_step,
+)
 
 #: the interval's confidence, the resamples drawn and the RNG's seed (fixed: a report reproduces)
 CONFIDENCE = 0.95
@@ -99,13 +103,15 @@ def clean_steps(steps: int, faults: Sequence[Any]) -> int:
 def false_events(arm: Mapping[str, Any], faults: Sequence[Any], *,
                  late_steps: int) -> int:
     """Events that matched no fault: detections the analysis matched to none (their ``fault``
-    is None), and applied decisions dated (``step - 1``) outside every fault's window, from
-    its start to ``late_steps`` after its last step (a decision names no rank's fault: any
-    fault's window excuses it)."""
+    is None), and applied decisions dated (:func:`~raytrain_guard.experiment.analysis.
+    dated_step`: the step before the one they apply at, or that one for a split) outside every
+    fault's window, from its start to ``late_steps`` after its last step (a decision names no
+    rank's fault: any fault's window excuses it)."""
     unmatched = sum(1 for d in arm.get("detections") or () if d.get("fault") is None)
     return unmatched + sum(
         1 for d in arm.get("decisions") or ()
-        if d.get("applied") and not _in_a_window(_dated(d.get("step")), faults, late_steps))
+        if d.get("applied") and not _in_a_window(dated_step(d.get("action"), d.get("step")),
+                                                 faults, late_steps))
 
 
 def _in_a_window(step: int | None, faults: Sequence[Any], late_steps: int) -> bool:
@@ -117,12 +123,6 @@ def _in_a_window(step: int | None, faults: Sequence[Any], late_steps: int) -> bo
         if step >= f.start and (last is None or step <= last + late_steps):
             return True
     return False
-
-
-def _dated(applied_at: int | None) -> int | None:
-    """A decision applied at ``applied_at`` (steps finished) is dated by the step before it,
-    as :func:`~raytrain_guard.experiment.analysis.detections_of` dates a detection."""
-    return None if applied_at is None else int(applied_at) - 1
 
 
 def false_events_per_1000(arm: Mapping[str, Any], faults: Sequence[Any], *,
