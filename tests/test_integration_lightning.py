@@ -8,12 +8,11 @@ One stopped run and its resume:
 * rank 1 is 3x slower in forward (a forward hook of this test): named the compute straggler;
 * a ``checkpoint`` decision at step 5 (injected where the guard answers ``should_checkpoint``)
   saves and reports a checkpoint of step 5 through Ray's callback, and training goes on;
-* rank 0 asks for a stop at step 45, inside the second epoch; both ranks stop at step 50 (the
-  next agreement step), Ray's callback reports the checkpoint of that step, and no epoch-end
-  checkpoint follows it. The stop is asked on a rank, not from the driver, so that it lands
-  inside an epoch on any box (from the driver it landed 10-40 steps after the ask); the
-  driver's ``TorchTrainer.request_stop`` reaches the same ``should_stop`` through the
-  coordinator (tests/test_integration_transformers.py, tests/test_train_dropin_ray.py);
+* the driver asks for a stop (``TorchTrainer.request_stop``) while rank 0 waits at step 45,
+  inside the second epoch (its callback holds the step until the driver has asked, so that
+  the stop lands inside the epoch on any box: unheld, it landed 10-40 steps after the ask);
+  both ranks stop at the same agreement step after 45 and before the epoch's end, Ray's
+  callback reports the checkpoint of that step, and no epoch-end checkpoint follows it;
 * the run resumed with ``ckpt_path`` continues from that step to the end: each rank trains, epoch
   by epoch, exactly the samples in exactly the order of an uninterrupted run.
 """
@@ -25,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -85,7 +85,13 @@ def slowed_train_func(config):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             seen.setdefault(trainer.current_epoch, []).extend(batch["id"].tolist())
             if rank == 0 and trainer.global_step == config.get("stop_asked"):
-                get_guard().request_stop("the test asks")
+                # hold the step until the driver has asked for the stop (StopFromDriver)
+                records = config["record_dir"]
+                open(os.path.join(records, "reached"), "w").close()
+                deadline = time.monotonic() + 120
+                while (not os.path.exists(os.path.join(records, "asked"))
+                       and time.monotonic() < deadline):
+                    time.sleep(0.05)
 
     def start(module, args):
         started["t"] = time.perf_counter()
@@ -115,6 +121,29 @@ def slowed_train_func(config):
                        "stopped_at": get_guard().stopped_at}, f)
 
 
+class StopFromDriver(threading.Thread):
+    """The driver's stop: once rank 0 holds step STOP_ASKED (its ``reached`` file), asks the
+    run to stop (``TorchTrainer.request_stop``), then lets rank 0 go on (``asked``)."""
+
+    def __init__(self, trainer, records: str) -> None:
+        super().__init__(daemon=True)
+        self.trainer, self.records, self.asked, self.error = trainer, records, False, None
+
+    def run(self) -> None:
+        try:
+            deadline = time.monotonic() + 400
+            while not os.path.exists(os.path.join(self.records, "reached")):
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
+            self.trainer.request_stop("the test asks")
+            self.asked = True
+        except Exception as exc:  # noqa: BLE001 - surfaced by the test
+            self.error = exc
+        finally:
+            open(os.path.join(self.records, "asked"), "w").close()
+
+
 def _trainer(config, storage):
     from ray.train import RunConfig, ScalingConfig
 
@@ -138,17 +167,27 @@ def test_lightning_is_guarded_stopped_and_resumed(ray_instance):
               "record_dir": records}
 
     start = time.perf_counter()
-    first = _trainer({**config, "attempt": 1, "slow": True, "checkpoint_at": CHECKPOINT_AT,
-                      "stop_asked": STOP_ASKED}, storage).fit()
+    trainer = _trainer({**config, "attempt": 1, "slow": True, "checkpoint_at": CHECKPOINT_AT,
+                        "stop_asked": STOP_ASKED}, storage)
+    stopper = StopFromDriver(trainer, records)
+    stopper.start()
+    try:
+        first = trainer.fit()
+    finally:
+        stopper.join(timeout=30)
     print(first.guard.format(), f"\nfirst run {time.perf_counter() - start:.1f} s")
+    assert stopper.error is None and stopper.asked, stopper.error
     assert first.error is None, first.error
 
     report = first.guard
+    assert "the test asks" in report.run.stop_reason
     ranks = {r["world_rank"]: r for r in report.ranks}
     stopped = {r: s["stopped_at"] for r, s in ranks.items()}
     k = GuardConfig().lockstep_every_steps
-    stop = (STOP_ASKED // k + 1) * k                                  # 50: inside epoch 2
-    assert stopped == {0: stop, 1: stop}, stopped
+    stop = stopped[0]
+    # both at one agreement step after the ask, inside the second epoch (40-80)
+    assert stopped == {0: stop, 1: stop} and stop % k == 0, stopped
+    assert STOP_ASKED < stop < EPOCHS * STEPS_PER_EPOCH, stopped
     run1 = [_read(os.path.join(records, f"1-{r}.json")) for r in range(WORKERS)]
     assert [r["global_step"] for r in run1] == [stop] * WORKERS
     assert first.checkpoint is not None
