@@ -2,7 +2,7 @@
 
 Memory rules use GuardConfig defaults unless a case says otherwise: watermark 0.88, critical
 0.90, hysteresis 0.03 (re-arm below 0.85), release spacing 5 s, trend over 5 readings,
-prediction 3 steps ahead. Timing rules: warmup 2 steps, slow = 1.5 x recent median, 3 in a row.
+prediction 3 steps ahead. Timing rules: warmup 2 steps, slow = 1.3 x recent median, 3 in a row.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_stop_reason_names_prediction_and_cause():
 # -- slow steps ---------------------------------------------------------------------------------
 NORMAL = {"total_s": 0.100, "data_wait_s": 0.010, "forward_s": 0.030, "backward_s": 0.040,
           "optimizer_s": 0.010, "comm_wait_s": 0.010}
-# Slow variants: each adds 0.100 s to one component (and to the total): 0.200 > 1.5 x 0.100.
+# Slow variants: each adds 0.100 s to one component (and to the total): 0.200 > 1.3 x 0.100.
 SLOW = {
     "data": dict(NORMAL, total_s=0.200, data_wait_s=0.110),
     "compute": dict(NORMAL, total_s=0.200, forward_s=0.130),
@@ -345,9 +345,9 @@ def test_absolute_threshold_lower_than_relative():
 def test_slow_step_reason_has_the_numbers():
     gate = StepGate(GuardConfig(), clock=FakeClock())
     (_, d), = feed_steps(gate, WARM + ["data"] * 3)
-    # threshold 1.5 x 0.1 = 0.15; data wait median 0.010 -> 0.110 (+0.1000)
+    # threshold 1.3 x 0.1 = 0.13; data wait median 0.010 -> 0.110 (+0.1000)
     assert "rank 0 steps 8-10: 3 slow steps in a row" in d.reason
-    assert "0.1500 s" in d.reason and "data wait +0.1000 s (0.0100 -> 0.1100)" in d.reason
+    assert "0.1300 s" in d.reason and "data wait +0.1000 s (0.0100 -> 0.1100)" in d.reason
     assert d.params["num_steps"] == 3
 
 
@@ -532,12 +532,12 @@ def _ms_steps(totals_ms, first=0):
 NOISE_CASES = [
     # (name, config changes, window totals in ms after 2 warm-up steps, run totals, events)
     # A wide but steady box: steps cycle 3 / 4 / 5 ms -> median 4.0, MAD 1.0 ms, robust sigma
-    # 1.4826 ms; threshold 4.0 + 3.5 x 1.4826 = 9.19 ms (not 1.5 x 4 = 6): three 7 ms steps
+    # 1.4826 ms; threshold 4.0 + 3.5 x 1.4826 = 9.19 ms (not 1.3 x 4 = 5.2): three 7 ms steps
     # are this box's noise, three 12.5 ms steps (x2.5 of 5) are a slowdown.
     ("wide box, 7 ms steps", {}, [3.0, 4.0, 5.0] * 7, [7.0] * 3, 0),
     ("wide box, 12.5 ms steps", {}, [3.0, 4.0, 5.0] * 7, [12.5] * 3, 1),
     ("wide box, no spread term", {"slow_step_mad_k": 0.0}, [3.0, 4.0, 5.0] * 7, [7.0] * 3, 1),
-    # Sub-millisecond steps: median 0.4 ms, 1.5 x = 0.6 ms, but the floor asks 0.4 + 2 = 2.4 ms
+    # Sub-millisecond steps: median 0.4 ms, 1.3 x = 0.52 ms, but the floor asks 0.4 + 2 = 2.4 ms
     ("0.4 ms steps, 0.9 ms run", {}, [0.4] * 20, [0.9] * 3, 0),
     ("0.4 ms steps, no floor", {"slow_step_floor_s": 0.0}, [0.4] * 20, [0.9] * 3, 1),
     ("0.4 ms steps, 2.5 ms run", {}, [0.4] * 20, [2.5] * 3, 1),
@@ -557,7 +557,7 @@ def test_floor_and_robust_spread(name, changes, window_ms, run_ms, expected):
 
 
 def test_quiet_bound_holds_with_the_floor():
-    # 0.4 ms steps: the quiet bound is max(1.5 x 0.4, 0.4 + 2) ms = 2.4 ms, and a step at the
+    # 0.4 ms steps: the quiet bound is max(1.3 x 0.4, 0.4 + 2) ms = 2.4 ms, and a step at the
     # bound decides nothing (StepGuard's fast path relies on it)
     gate = StepGate(GuardConfig(), clock=FakeClock())
     for s in _ms_steps([0.4] * 12):
