@@ -288,7 +288,7 @@ def test_slow_steps_and_stragglers_recorded_at_one_boundary_have_one_date(tmp_pa
 def test_a_straggler_flag_names_the_flagged_rank_not_the_ranks_that_applied_it(tmp_path):
     # the coordinator flags rank 1 (params world_ranks, as core.policy writes it); both ranks
     # record the flag: it names rank 1 only, and in the observe arm (applied nowhere) too
-    flag = dict(scope="cluster", decision_id=7, params={"world_ranks": [1]})
+    flag = {"scope": "cluster", "decision_id": 7, "params": {"world_ranks": [1]}}
     decisions = [_decision("flag_straggler", 18, world_rank=0, applied=False, **flag),
                  _decision("flag_straggler", 18, world_rank=1, applied=False, **flag)]
     root = write_arm(tmp_path, audits=clean_audits(range(4)), steps_done=4,
@@ -326,6 +326,25 @@ def test_the_lateness_bound_ends_at_a_spikes_last_step():
     assert not analysis.can_name(spike, 0, 41, late_steps=10)      # another rank
     assert analysis.can_name(parse_fault("slow_compute:rank=1,start=5,factor=2"), 1, 10**6,
                              late_steps=0)                    # no end: no bound
+
+
+def test_a_slow_link_is_named_by_any_rank_that_waits_on_it_in_communication():
+    # rank 1's link is slow: every rank's allreduce waits for it, so rank 0's communication
+    # event names it (not a false event); rank 0's compute event does not, and a slow device
+    # on rank 1 is named on rank 1 only
+    link = parse_fault("comm_delay:rank=1,start=20,seconds=0.036")
+    assert analysis.can_name(link, 0, 23, late_steps=3, cause="communication")
+    assert not analysis.can_name(link, 0, 23, late_steps=3, cause="compute")
+    assert not analysis.can_name(link, 0, 19, late_steps=3, cause="communication")
+    slow = parse_fault("slow_compute:rank=1,start=20,factor=2")
+    assert not analysis.can_name(slow, 0, 23, late_steps=3, cause="communication")
+    waits = [{"kind": "slow_step (communication)", "rank": 0, "cause": "communication",
+              "step": 23, "source": "rank"}]
+    (matched,) = analysis.match_detections([link], waits)
+    assert matched["fault"] == "comm_delay" and matched["right_cause"]
+    (outcome,) = analysis.fault_outcomes([link], waits)
+    assert (outcome["named_at_step"], outcome["in_time"]) == (23, True)
+    assert analysis.match_detections([slow], waits)[0]["fault"] is None
 
 
 def _on_nodes(root, node_of):

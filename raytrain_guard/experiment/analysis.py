@@ -7,8 +7,9 @@ them into the arm's figures (the ARM object of docs/experiment.md), or raises
 :class:`ArmTracesError` when the ranks left no trace.
 
 A detection is dated by the step during which, or at whose end, it reached the rank
-(:func:`detections_of`), and names a fault only on one of its ranks, at or after its start and
-at most :class:`Lateness` after its last step (:func:`can_name`). Why these bounds:
+(:func:`detections_of`), and names a fault only on one of its ranks (or, for a slow link that
+every rank waits on, on any rank by the fault's cause), at or after its start and at most
+:class:`Lateness` after its last step (:func:`can_name`). Why these bounds:
 docs/experiment.md ("Detections: their date, and how late they may come").
 """
 
@@ -98,10 +99,15 @@ def fault_last_step(fault: FaultSpec) -> int | None:
     return fault.start if fault.once else None
 
 
-def can_name(fault: FaultSpec, rank: Any, step: int | None, *, late_steps: int) -> bool:
-    """Whether a detection on ``rank`` dated ``step`` can name ``fault``: on one of its ranks,
-    at or after its start, at most ``late_steps`` after its last step."""
-    if step is None or rank not in fault.ranks or step < fault.start:
+def can_name(fault: FaultSpec, rank: Any, step: int | None, *, late_steps: int,
+             cause: str | None = None) -> bool:
+    """Whether a detection on ``rank`` of ``cause`` dated ``step`` can name ``fault``: on one of
+    its ranks (any rank, by the fault's cause, for a fault every rank waits on: a slow link
+    holds every rank's collective), at or after its start, at most ``late_steps`` after its
+    last step."""
+    felt = rank in fault.ranks or (fault.felt_by_all and cause is not None
+                                   and cause == fault.cause)
+    if step is None or not felt or step < fault.start:
         return False
     last = fault_last_step(fault)
     return last is None or step <= last + late_steps
@@ -114,7 +120,8 @@ def match_detections(faults: Sequence[FaultSpec], detections: Sequence[Mapping[s
     out = []
     for d in detections:
         rank, step = d.get("rank"), d.get("step")
-        onset = [f for f in faults if can_name(f, rank, step, late_steps=lateness.of(d))]
+        onset = [f for f in faults if can_name(f, rank, step, late_steps=lateness.of(d),
+                                               cause=d.get("cause"))]
         fault = max(onset, key=lambda f: f.start) if onset else None
         out.append({**d, "fault": fault.kind if fault else None,
                     "onset_step": fault.start if fault else None,
@@ -135,7 +142,7 @@ def fault_outcomes(faults: Sequence[FaultSpec], detections: Sequence[Mapping[str
             continue
         hits = sorted((d for d in detections if d.get("cause") == f.cause
                        and can_name(f, d.get("rank"), d.get("step"),
-                                    late_steps=lateness.of(d))
+                                    late_steps=lateness.of(d), cause=d.get("cause"))
                        and (f.node is None or (d.get("target") == "node"
                                                and d.get("node_index") == f.node))),
                       key=lambda d: d["step"])

@@ -25,13 +25,15 @@ from raytrain_guard.units import parse_bytes
 class FaultKind:
     """One kind of fault: its own keys (name -> (parser, default; None: required)), an example
     spec, the cause a guard should name (None: no slow-step cause, e.g. memory), and whether it
-    fires once per run."""
+    fires once per run. ``felt_by_all``: every rank waits on it in the step's collective (a slow
+    link), so any rank may name it, by its cause."""
 
     keys: Mapping[str, tuple[Any, Any]]
     example: str
     cause: str | None = None
     once: bool = False
     by_node: bool = False       # takes ``node=K``: every rank of node K
+    felt_by_all: bool = False
 
 
 def _above(bound: float) -> Callable[[str], float]:
@@ -50,7 +52,7 @@ def _positive_int(text: str) -> int:
 KINDS: Mapping[str, FaultKind] = {
     "comm_delay": FaultKind({"seconds": (_above(0), None)},
                             "comm_delay:rank=1,start=20,seconds=0.02", "communication",
-                            by_node=True),
+                            by_node=True, felt_by_all=True),
     "slow_compute": FaultKind({"factor": (_above(1), None)},
                               "slow_compute:rank=1,start=25,factor=2.5", "compute", by_node=True),
     "slow_data": FaultKind({"seconds": (_above(0), None)},
@@ -95,6 +97,10 @@ class FaultSpec:
     @property
     def once(self) -> bool:
         return KINDS[self.kind].once
+
+    @property
+    def felt_by_all(self) -> bool:
+        return KINDS[self.kind].felt_by_all
 
     @property
     def cause(self) -> str | None:
