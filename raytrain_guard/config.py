@@ -95,10 +95,10 @@ class GuardConfig:
         3, "Consecutive slow steps that raise a slow-step event. Seed rule: 3 in a row.", 1)
     slow_step_factor: float = _doc(
         1.3, "A step is slow when it takes longer than this multiple of the recent median "
-        "step. Default 1.3: replayed, a slow link of half a step (steps 1.25-1.57 x the "
-        "median) is named within 5 steps in 19 of 20 two-node experiment arms (0 of 20 at "
-        "1.5), and 48,000 clean rank-steps at the default device step raise no event (one "
-        "at 1.25).", 1.0, lo_open=True)
+        "step. Default 1.3: a slow link of half a step (steps 1.25-1.57 x the median) is "
+        "named within 5 steps in 20 of 20 two-node experiment arms (0 of 20 at 1.5), and "
+        "48,000 clean rank-steps at the default device step raise no event (one at 1.25).",
+        1.0, lo_open=True)
     slow_step_abs_s: float | None = _doc(
         None, "Optional absolute slow-step threshold in seconds; none (the key left out of a "
         "TOML file, None in Python) uses only the relative rule.", 0.0, lo_open=True)
