@@ -31,7 +31,8 @@ with Ray's ``RayDDPStrategy``, ``RayLightningEnvironment`` and ``prepare_trainer
   ``ModelCheckpoint`` triggers are steps, epochs or times fixed in advance), so without Ray's
   callback the decision (and the stop's checkpoint) is logged once and not honoured.
 
-``RayFSDPStrategy`` is Lightning's FSDP1 and needs CUDA: not checked on gloo/CPU here.
+``RayFSDPStrategy`` is Lightning's FSDP1, which needs an accelerator (torch raises "FSDP needs
+a non-CPU accelerator device" on gloo/CPU): not checked here.
 docs/integrations.md.
 """
 
