@@ -32,8 +32,7 @@ with Ray's ``RayDDPStrategy``, ``RayLightningEnvironment`` and ``prepare_trainer
   callback the decision (and the stop's checkpoint) is logged once and not honoured.
 
 ``RayFSDPStrategy`` is Lightning's FSDP1, which needs an accelerator (torch raises "FSDP needs
-a non-CPU accelerator device" on gloo/CPU): not checked here.
-docs/integrations.md.
+a non-CPU accelerator device" on gloo/CPU): not checked here. More: docs/integrations.md.
 """
 
 from __future__ import annotations
