@@ -15,9 +15,10 @@ coordinator and its reports; ``local`` against ``off`` is what the worker pays i
 ``on`` against ``local`` what the cluster layer adds. A fourth, ``idle``, is ``on`` with the
 cluster layer's actors started but quiet (no reports, a monitor sample and a policy round a
 minute: :data:`IDLE_GUARD`): ``idle`` against ``on`` is what that work costs the ranks on a box
-with no spare core. ``--lightning-device-ms MS`` gives the Lightning steps GPU-like time: the
-host waits MS a step in forward and backward (the experiment's device-time model), as a host
-waits on a GPU's kernels, so the ranks leave the CPU free as they would beside a GPU.
+with no spare core. ``--lightning-device-ms MS`` (``--hf-device-ms MS``) gives the Lightning
+(Hugging Face) steps GPU-like time: the host waits MS a step in forward and backward (the
+experiment's device-time model), as a host waits on a GPU's kernels, so the ranks leave the CPU
+free as they would beside a GPU.
 
 Throughput is measured inside the workers, over the training loop only (Ray's startup, the
 worker group, the guard's actors, the allreduce curve ``prepare_model`` measures and the first
@@ -86,6 +87,9 @@ def hf_func(config: dict) -> None:
     if config["arm"] == "off":
         trainer.remove_callback(GuardCallback)
     trainer.add_callback(Clock())
+    if config["device_ms"]:      # the embedding's output carries the wait into backward too
+        from raytrain_guard.experiment.device_time import DeviceTime
+        DeviceTime(config["device_ms"] / 1000).attach(trainer.model.get_input_embeddings())
     trainer.train()
     _write(config, ray.train.get_context().get_world_rank(), marks["step"] - config["warmup"],
            marks["end"] - marks["start"])
@@ -174,7 +178,8 @@ def run_once(example: str, arm: str, tag: str, out: str, storage: str,
     if example == "hf":
         fn = hf_func
         config.update(output_dir=os.path.join(storage, tag), batch_size=8,
-                      max_steps=args.hf_steps, samples=8 * 2 * args.hf_steps)
+                      max_steps=args.hf_steps, samples=8 * 2 * args.hf_steps,
+                      device_ms=args.hf_device_ms)
     elif example == "lightning":
         fn = lightning_func
         config.update(max_epochs=1, batch_size=16, samples=16 * 2 * args.lightning_steps,
@@ -220,6 +225,9 @@ def main() -> int:
                         help="GPU-like steps: the host waits this long a step in forward and "
                         "backward, as on a GPU's kernels (raytrain_guard.experiment.device_time)"
                         "; 0: the CPU-bound steps")
+    parser.add_argument("--hf-device-ms", type=float, default=0.0,
+                        help="GPU-like Hugging Face steps, as --lightning-device-ms (the wait "
+                        "hangs on the input embedding); 0: the CPU-bound steps")
     parser.add_argument("--ray-data-rows", type=int, default=4096)
     parser.add_argument("--out", default=None, help="folder for the runs' JSON")
     args = parser.parse_args()
