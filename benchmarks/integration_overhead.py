@@ -15,10 +15,10 @@ coordinator and its reports; ``local`` against ``off`` is what the worker pays i
 ``on`` against ``local`` what the cluster layer adds. A fourth, ``idle``, is ``on`` with the
 cluster layer's actors started but quiet (no reports, a monitor sample and a policy round a
 minute: :data:`IDLE_GUARD`): ``idle`` against ``on`` is what that work costs the ranks on a box
-with no spare core. ``--lightning-device-ms MS`` (``--hf-device-ms MS``) gives the Lightning
-(Hugging Face) steps GPU-like time: the host waits MS a step in forward and backward (the
-experiment's device-time model), as a host waits on a GPU's kernels, so the ranks leave the CPU
-free as they would beside a GPU.
+with no spare core. ``--lightning-device-ms MS`` (``--hf-device-ms``, ``--ray-data-device-ms``)
+gives the Lightning (Hugging Face, Ray Data) steps GPU-like time: the host waits MS a step in
+forward and backward (the experiment's device-time model), as a host waits on a GPU's kernels,
+so the ranks leave the CPU free as they would beside a GPU.
 
 Throughput is measured inside the workers, over the training loop only (Ray's startup, the
 worker group, the guard's actors, the allreduce curve ``prepare_model`` measures and the first
@@ -133,6 +133,9 @@ def ray_data_func(config: dict) -> None:
     torch.manual_seed(0)
     on = config["arm"] != "off"
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    if config["device_ms"]:
+        from raytrain_guard.experiment.device_time import DeviceTime
+        DeviceTime(config["device_ms"] / 1000).attach(net[0])
     shard = ray.train.get_dataset_shard("train")
     if on:
         model = guarded.prepare_model(net)
@@ -186,7 +189,7 @@ def run_once(example: str, arm: str, tag: str, out: str, storage: str,
                       hidden=args.lightning_hidden, device_ms=args.lightning_device_ms)
     else:
         fn = ray_data_func
-        config.update(epochs=3, batch_size=64)
+        config.update(epochs=3, batch_size=64, device_ms=args.ray_data_device_ms)
         datasets = {"train": ray_data_example.make_dataset(args.ray_data_rows)}
     kwargs = {"train_loop_config": config, "scaling_config": ScalingConfig(num_workers=2),
               "run_config": RunConfig(name=tag, storage_path=storage), "datasets": datasets}
@@ -229,6 +232,9 @@ def main() -> int:
                         help="GPU-like Hugging Face steps, as --lightning-device-ms (the wait "
                         "hangs on the input embedding); 0: the CPU-bound steps")
     parser.add_argument("--ray-data-rows", type=int, default=4096)
+    parser.add_argument("--ray-data-device-ms", type=float, default=0.0,
+                        help="GPU-like Ray Data steps, as --lightning-device-ms (the wait hangs "
+                        "on the first layer); 0: the CPU-bound steps")
     parser.add_argument("--out", default=None, help="folder for the runs' JSON")
     args = parser.parse_args()
 
