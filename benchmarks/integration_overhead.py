@@ -69,6 +69,14 @@ def _write(config: dict, rank: int, steps: int, seconds: float, **extra: Any) ->
                    "steps_per_s": steps / seconds if seconds > 0 else 0.0, **extra}, f)
 
 
+def _wait_like_a_device(config: dict, module: Any) -> None:
+    """With ``config["device_ms"]``, ``module``'s forward and backward wait that long a step
+    (the experiment's device-time model); its output must carry a gradient."""
+    if config["device_ms"]:
+        from raytrain_guard.experiment.device_time import DeviceTime
+        DeviceTime(config["device_ms"] / 1000).attach(module)
+
+
 def hf_func(config: dict) -> None:
     """examples/hf_trainer.py's Trainer (no saves); ``off`` removes the guard's callback."""
     from transformers import TrainerCallback
@@ -87,9 +95,7 @@ def hf_func(config: dict) -> None:
     if config["arm"] == "off":
         trainer.remove_callback(GuardCallback)
     trainer.add_callback(Clock())
-    if config["device_ms"]:      # the embedding's output carries the wait into backward too
-        from raytrain_guard.experiment.device_time import DeviceTime
-        DeviceTime(config["device_ms"] / 1000).attach(trainer.model.get_input_embeddings())
+    _wait_like_a_device(config, trainer.model.get_input_embeddings())
     trainer.train()
     _write(config, ray.train.get_context().get_world_rank(), marks["step"] - config["warmup"],
            marks["end"] - marks["start"])
@@ -100,7 +106,6 @@ def lightning_func(config: dict) -> None:
     callback."""
     import lightning.pytorch as pl
 
-    from raytrain_guard.experiment.device_time import DeviceTime
     from raytrain_guard.integrations.lightning import GuardCallback
 
     marks: dict[str, Any] = {}
@@ -116,8 +121,7 @@ def lightning_func(config: dict) -> None:
         trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, GuardCallback)]
     trainer.callbacks.append(Clock())
     model = lightning_trainer.Regressor(config["hidden"])
-    if config["device_ms"]:
-        DeviceTime(config["device_ms"] / 1000).attach(model.net)
+    _wait_like_a_device(config, model.net)
     trainer.fit(model, train_dataloaders=lightning_trainer.make_loader(config))
     _write(config, ray.train.get_context().get_world_rank(), marks["step"] - config["warmup"],
            marks["end"] - marks["start"])
@@ -133,9 +137,7 @@ def ray_data_func(config: dict) -> None:
     torch.manual_seed(0)
     on = config["arm"] != "off"
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    if config["device_ms"]:
-        from raytrain_guard.experiment.device_time import DeviceTime
-        DeviceTime(config["device_ms"] / 1000).attach(net[0])
+    _wait_like_a_device(config, net[0])
     shard = ray.train.get_dataset_shard("train")
     if on:
         model = guarded.prepare_model(net)
