@@ -281,3 +281,75 @@ def test_control_plane_reduces_on_a_gloo_side_group_in_a_cpu_tensor(tmp_path):
         got = json.loads((tmp_path / f"side{rank}.json").read_text())
         assert got == {"side_group": True, "same": True, "buffer_kept": True, "device": "cpu",
                        "got": [11, True, -1, False, 2]}, (rank, got)
+
+
+# -- a fast leak: the stop is agreed every step while a rank's memory may reach the critical line
+
+LEAK_STEPS, LEAK_K = 60, 10
+
+
+def leak_frac(steps_done: int) -> float:
+    """Rank 1's card after ``steps_done`` steps: 2 % more a step, over the watermark (0.88) at
+    step 31, just after a regular round, and full (1.0) at step 37, before the next (40)."""
+    return 0.265 + 0.02 * steps_done
+
+
+def _leak_main(rank: int, out_dir: str) -> None:
+    import logging
+
+    from raytrain_guard.config import GuardConfig
+    from raytrain_guard.coordination.control_plane import ControlPlane
+    from raytrain_guard.runtime.guard.boundary import BoundaryActions, StepBoundary
+    from raytrain_guard.runtime.guard.fail_open import FailOpen
+    from raytrain_guard.runtime.guard.probes import MemoryReading
+    from raytrain_guard.runtime.guard.step_guard import StepGuard
+
+    class Card:
+        """One reading a step: flat at half the card, or rank 1's leak."""
+
+        def __init__(self, leak: bool) -> None:
+            self.leak, self.done = leak, 0
+
+        def read(self) -> MemoryReading:
+            self.done += 1
+            frac = leak_frac(self.done) if self.leak else 0.5
+            return MemoryReading(int(frac * 1e9), int(frac * 1e9), 10**9)
+
+    config = GuardConfig(lockstep_every_steps=LEAK_K)
+    got = {}
+    for name, leak in (("flat", False), ("leak", rank == 1)):
+        control = ControlPlane(2)
+        guard = StepGuard(config, probe=Card(leak), world_rank=rank)
+        boundary = StepBoundary(config, world_rank=rank, node_id="n", step_guard=guard,
+                                control=control, source=None, metrics=None,
+                                actions=BoundaryActions(rank),
+                                fail_open=FailOpen(logging.getLogger("test"), lambda: "t"))
+        for step in range(LEAK_STEPS):
+            guard.begin_step(step)
+            boundary.end_step()
+            if boundary.stop_reason is not None:
+                break
+        got[name] = {"stopped_at": boundary.stopped_at, "rounds": control.num_rounds,
+                     "reason": boundary.stop_reason}
+    with open(os.path.join(out_dir, f"leak{rank}.json"), "w") as fh:
+        json.dump(got, fh)
+
+
+@pytest.mark.timeout(120)
+def test_a_fast_leak_is_stopped_before_the_card_fills_not_at_the_next_round(tmp_path):
+    spawn(_leak_main, 2, str(tmp_path))
+    runs = [json.loads((tmp_path / f"leak{rank}.json").read_text()) for rank in (0, 1)]
+    for got in runs:
+        # flat memory: one round per K steps, no stop
+        assert got["flat"] == {"stopped_at": None, "rounds": LEAK_STEPS // LEAK_K,
+                               "reason": None}, got
+        # the round at 30 saw rank 1 reach the critical line (0.90) within K steps on its
+        # trend (1.065 at 40), so the stop is agreed every step after it: rank 1's gate
+        # decides at step 31 (0.885, over the watermark and rising) and both ranks stop there,
+        # with rank 1's card at 88.5 %; at the next regular round (40) it would be full since
+        # step 37
+        leak = got["leak"]
+        assert leak["stopped_at"] == 31 and leak_frac(leak["stopped_at"]) < 1.0, got
+        assert leak["rounds"] == 3 + 1, got        # 10, 20, 30, then 31
+    assert "rank 1 step" in runs[1]["leak"]["reason"]
+    assert runs[0]["leak"]["reason"] == "another rank asked to checkpoint and stop"

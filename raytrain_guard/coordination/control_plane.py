@@ -1,9 +1,12 @@
-"""The control-plane collective: stop flag and newest decision id in one 16-byte all_reduce.
+"""The control-plane collective: stop flag, newest decision id and urgency in one 24-byte
+all_reduce.
 
-Both questions the ranks agree on every ``lockstep_every_steps`` steps (did any rank ask to
-stop; has any rank heard of a newer decision) are a MAX, answered by one ``all_reduce(MAX)`` on
-a gloo group over a CPU tensor allocated once (no device synchronization). The train loop and
-the lockstep share one plane per process. Why: docs/coordination.md.
+The questions the ranks agree on every ``lockstep_every_steps`` steps (did any rank ask to
+stop; has any rank heard of a newer decision; must the stop be agreed every step until the
+next round, because some rank's memory may reach the critical line before it) are a MAX,
+answered by one ``all_reduce(MAX)`` on a gloo group over a CPU tensor allocated once (no device
+synchronization). The train loop and the lockstep share one plane per process. Why:
+docs/coordination.md.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ class ControlPlane:
         self._group = weakref.ref(group) if group is not None else None
         self.local_stop = False          # this rank's gate asked to stop (set by the loop)
         self.agreed_stop = False         # some rank asked, as of the last round
+        self.local_urgent = False        # this rank wants the stop agreed every step (the loop)
+        self.agreed_urgent = False       # some rank did, as of the last round
         self.num_rounds = 0              # rounds run; the loop compares it around a poll
         self._buffer: Any = None
         if world_size > 1:
             import torch
-            self._buffer = torch.zeros(2, dtype=torch.int64)     # CPU, reused every round
+            self._buffer = torch.zeros(3, dtype=torch.int64)     # CPU, reused every round
 
     @property
     def group(self) -> Any:
@@ -55,10 +60,13 @@ class ControlPlane:
         return cls(dist.get_world_size(), group)
 
     def agree(self, newest_id: int = NO_DECISION) -> int:
-        """One round of every rank's ``[local_stop, newest_id]``: sets :attr:`agreed_stop`,
-        returns the newest decision id any rank knows of. Every rank, same boundary."""
-        stop, newest = self.all_reduce_max(1 if self.local_stop else 0, newest_id)
+        """One round of every rank's ``[local_stop, newest_id, local_urgent]``: sets
+        :attr:`agreed_stop` and :attr:`agreed_urgent`, returns the newest decision id any rank
+        knows of. Every rank, same boundary."""
+        stop, newest, urgent = self.all_reduce_max(int(self.local_stop), newest_id,
+                                                   int(self.local_urgent))
         self.agreed_stop = bool(stop)
+        self.agreed_urgent = bool(urgent)
         self.num_rounds += 1
         return newest
 
@@ -71,17 +79,19 @@ class ControlPlane:
             self.agree()
         return self.agreed_stop
 
-    def all_reduce_max(self, first: int, second: int) -> tuple[int, int]:
-        """The one method that touches torch.distributed: ``all_reduce(MAX)`` of two int64."""
+    def all_reduce_max(self, *values: int) -> tuple[int, ...]:
+        """The one method that touches torch.distributed: ``all_reduce(MAX)`` of up to three
+        int64, one per argument (the buffer's other slots carry 0)."""
         if self.world_size == 1:
-            return first, second
+            return values
         import torch.distributed as dist
 
         buffer = self._buffer
-        buffer[0] = first
-        buffer[1] = second
+        buffer.zero_()
+        for i, value in enumerate(values):
+            buffer[i] = value
         dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group)
-        return int(buffer[0]), int(buffer[1])
+        return tuple(int(x) for x in buffer.tolist()[:len(values)])
 
 
 _shared: tuple[Any, ControlPlane] | None = None    # (weak ref to the default group, the plane)

@@ -1,7 +1,7 @@
 """Lockstep: every rank applies every cluster decision at the same step boundary.
 
 Every ``lockstep_every_steps`` steps the ranks agree on the newest pending decision id in one
-16-byte control-plane round, exchange their pending decisions only when some rank has one,
+24-byte control-plane round, exchange their pending decisions only when some rank has one,
 merge them in rank order and schedule each at :func:`apply_step`. The collective is one
 method, :meth:`ProcessGroupExchange.exchange`. Why, step by step: docs/coordination.md.
 """

@@ -4,7 +4,7 @@ stop at the critical line or ahead of it, pace while over the watermark."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
@@ -13,6 +13,16 @@ from raytrain_guard.core.recent_steps import MIN_MEDIAN_POINTS
 from raytrain_guard.core.stats import slope
 
 Decide = Callable[..., Decision]   # (action, cause, reason, **params) -> a numbered Decision
+
+
+def trend_ahead(readings: Sequence[float], steps: int, *,
+                least: int = MIN_MEDIAN_POINTS) -> tuple[float, float] | None:
+    """``(rise per step, fraction steps ahead)`` on the least-squares line through
+    ``readings`` (one a step, the last the latest); None with fewer than ``least``."""
+    if len(readings) < least:
+        return None
+    rise = slope(list(enumerate(readings)))
+    return rise, readings[-1] + rise * steps
 
 
 class MemoryRules:
@@ -101,11 +111,13 @@ class MemoryRules:
         cfg = self.config
         if frac >= cfg.memory_critical_frac:
             return f"memory at {frac:.1%} >= critical {cfg.memory_critical_frac:.0%}"
-        if (cfg.memory_predict_steps == 0 or frac < cfg.memory_watermark_frac
-                or len(self.readings) < min(MIN_MEDIAN_POINTS, cfg.memory_trend_steps)):
+        if cfg.memory_predict_steps == 0 or frac < cfg.memory_watermark_frac:
             return None
-        rise = slope(list(enumerate(self.readings)))
-        predicted = frac + rise * cfg.memory_predict_steps
+        trend = trend_ahead(self.readings, cfg.memory_predict_steps,
+                            least=min(MIN_MEDIAN_POINTS, cfg.memory_trend_steps))
+        if trend is None:
+            return None
+        rise, predicted = trend
         if rise > 0 and predicted >= cfg.memory_critical_frac:
             return (f"memory at {frac:.1%} rising {rise:.2%} per step, {predicted:.1%} predicted "
                     f"in {cfg.memory_predict_steps} steps >= critical "

@@ -6,6 +6,13 @@ A ``checkpoint_and_stop`` from any rank's gate, from :meth:`StepBoundary.request
 the coordinator stops every rank at the same step: the stop flag rides on the control plane's
 round (:mod:`raytrain_guard.coordination.control_plane`). No RPC: the source's poll and that
 round are the only exchanges, at the same steps on every rank.
+
+A stop agreed every ``stop_every`` steps lands up to that many steps after a gate decided it,
+and memory that grows fast fills the card in fewer. So each round also asks whether any rank's
+memory, on the line through its last readings, reaches ``memory_critical_frac`` within
+``stop_every`` steps; if one does, the ranks agree on the stop at every step until a round
+where none does. Such a round costs one small gloo all_reduce; a stop too late costs the steps
+since the last checkpoint.
 """
 
 from __future__ import annotations
@@ -131,6 +138,10 @@ class StepBoundary:
             self._took(stats)
         control = self.control
         control.local_stop = self._local_stop is not None      # rides on a lockstep round
+        if act and (control.agreed_urgent or step % self.stop_every == 0
+                    or step % self.config.lockstep_every_steps == 0):
+            control.local_urgent = bool(self._fail_open.call("memory_ahead", self._urgent))
+        urgent_before = control.agreed_urgent
         rounds_before = control.num_rounds
         polled = self.source.poll(step, stats) if self.source is not None else ()
         due, self.pending = due_at(step, self.pending, polled)
@@ -143,14 +154,25 @@ class StepBoundary:
                 now.append(decision)
             if act and stop is None and decision.action is Action.CHECKPOINT_AND_STOP:
                 stop = decision.reason
-        if stop is None and control.stop_agreed(rounds_before,
-                                                check_now=step % self.stop_every == 0):
+        if stop is None and control.stop_agreed(
+                rounds_before, check_now=urgent_before or step % self.stop_every == 0):
             stop = self._local_stop.reason if self._local_stop is not None else OTHER_RANK_STOP
+        if control.agreed_urgent != urgent_before and self.rank == 0:
+            logger.info("step %d: %s", step, "a rank's memory may reach the critical line "
+                        "before the next round: the stop is agreed every step"
+                        if control.agreed_urgent else "the stop is agreed every "
+                        f"{self.stop_every} steps again")
         if stop is not None and self.stop_reason is None:
             self.stop_reason, self.stopped_at = stop, step
             self.checkpoint_now = True
             logger.warning("rank %d: checkpoint and stop at step %d: %s", self.rank, step, stop)
         self.now = now
+
+    def _urgent(self) -> bool:
+        """Whether this rank's memory, on its trend, reaches the critical line within
+        ``stop_every`` steps (before a stop agreed at the next regular round would land)."""
+        ahead = self.step_guard.memory_ahead(self.stop_every)
+        return ahead is not None and ahead >= self.config.memory_critical_frac
 
     def finish(self) -> list:
         """The run is over: the StepStats no boundary read (a stop between reads) go to the

@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
 from raytrain_guard.core.gate import StepGate
+from raytrain_guard.core.memory_rules import trend_ahead
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.errors import InputError
 from raytrain_guard.runtime.guard.cache_release import release_cache
@@ -61,6 +63,7 @@ class StepGuard:
         self.feed = GateFeed(gate, config, timer=self.timer, world_rank=world_rank,
                              apply=self._applied, fail_open=self._fail_open, fast=fast)
         self._memory = MemoryReads(probe, config, reuse=fast)
+        self._fracs: deque[float] = deque(maxlen=max(3, config.memory_trend_steps))
 
     # -- the step ----------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -96,9 +99,18 @@ class StepGuard:
         except Exception:  # noqa: BLE001 - the guard fails open
             self._fail_open.note("probe")
             frac = cached = None
+        if frac is not None:
+            self._fracs.append(frac)
         decisions = self.feed.end_step(step, frac, cached)
         self._step = step + 1
         return decisions
+
+    def memory_ahead(self, steps: int) -> float | None:
+        """The memory fraction ``steps`` steps after the last one ended, on the line through
+        the last ``memory_trend_steps`` readings (None: fewer than three). Not fed to the gate:
+        the step boundary asks it where a stop may next land (:class:`StepBoundary`)."""
+        trend = trend_ahead(self._fracs, steps)
+        return None if trend is None else trend[1]
 
     def note_pause(self, next_step: int | None = None) -> None:
         """Training paused before ``next_step`` (default: the step after the last one), a
@@ -176,6 +188,7 @@ class StepGuard:
             self.gate.load_state_dict(state["gate"])
             self.feed.refresh_bounds()
             self._memory.forget()
+            self._fracs.clear()
         self.set_pace(state.get("pace_delay_s", 0.0))
 
     # -- actions -----------------------------------------------------------------------------
