@@ -99,6 +99,11 @@ class GateFeed:
             return []
         return self.flush()
 
+    def note_reshaped(self, step: int) -> None:
+        """The gate leaves ``step`` out of its slow-step rules (:meth:`StepGate.note_reshaped`:
+        it keeps the step number until the step is fed), so the waiting steps stay waiting."""
+        self._gate.note_reshaped(step)
+
     def flush(self) -> list[Decision]:
         """Feed the waiting steps to the gate in order, apply and return their decisions
         (with those a flush outside end_step left), then refresh the quiet bounds."""

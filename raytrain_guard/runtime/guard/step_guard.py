@@ -123,7 +123,7 @@ class StepGuard:
     def note_reshaped(self, step: int) -> None:
         """The guard ran ``step`` differently (a spike in pieces): the gate does not judge its
         time (:meth:`StepGate.note_reshaped`). Call it before ``end_step(step)``."""
-        self._fail_open.call("note_reshaped", lambda: self.feed.gate.note_reshaped(step))
+        self._fail_open.call("note_reshaped", self.feed.note_reshaped, step)
 
     @property
     def gate(self) -> Any:
