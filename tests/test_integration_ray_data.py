@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 from examples import ray_data
 from examples.ray_data import make_dataset, train_func
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.runtime.data.ray_batches import fit_prefetch, next_prefetch
+from raytrain_guard.runtime.data.ray_batches import fit_prefetch, next_prefetch, raise_paid
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -59,6 +59,48 @@ def test_depth_rises_after_an_epoch_that_waited(depth, wait, batch, budget, cap,
     assert next_prefetch(depth, wait, batch, budget, config, cap) == expect
 
 
+@pytest.mark.parametrize("before, after, paid", [
+    (0.18, 0.139, True),     # line 10 %: half the way down from 18 % is 14 %
+    (0.18, 0.145, False),
+    (0.18, 0.17, False),     # a deeper queue bought nothing
+    (0.50, 0.02, True),
+])
+def test_a_raise_pays_when_the_wait_falls_half_way_to_the_line(before, after, paid):
+    assert raise_paid(before, after, GuardConfig()) is paid
+
+
+class DepthShard:
+    """Four batches an epoch on a fake clock; each waits 1 s at depth 1, and at depth d 1/d^2 s
+    (a bursty stage a deeper queue smooths) or 1 s whatever the depth (a stage slower than the
+    step, which no queue helps)."""
+
+    def __init__(self, clock, bursty):
+        self.clock, self.bursty = clock, bursty
+
+    def iter_torch_batches(self, prefetch_batches, **kwargs):
+        import torch
+        for _ in range(4):
+            self.clock[0] += 1 / prefetch_batches ** 2 if self.bursty else 1.0
+            yield {"x": torch.zeros(64, 32)}
+
+
+@pytest.mark.parametrize("bursty, depths", [
+    (True, [1, 2, 4, 4]),     # 50 % -> 20 % (paid, still over 10 %) -> 5.9 % (paid): kept
+    (False, [1, 2, 1, 1]),    # 50 % at 1 and at 2: back to 1, never raised again
+])
+def test_a_deeper_queue_is_kept_only_where_it_lowered_the_wait(bursty, depths):
+    from raytrain_guard.runtime.data.ray_batches import GuardedBatches
+
+    clock = [0.0]
+    batches = GuardedBatches(DepthShard(clock, bursty), config=GuardConfig(),
+                             host_memory_bytes=16 * 2**30, gpus_per_node=1,
+                             clock=lambda: clock[0])
+    for _ in depths:
+        for _batch in batches:
+            clock[0] += 1.0                  # the step's compute
+    assert [e["prefetch_batches"] for e in batches.history] == depths
+
+
 class ListShard:
     """Four batches an epoch, as a shard's ``iter_torch_batches`` yields them."""
 
@@ -77,9 +119,10 @@ def test_the_summary_prints_ray_datas_prefetch_not_a_dataloaders():
                              prefetch_batches=2)
     for _ in range(2):
         list(batches)
-    # 64 x 32 float32 = 8 KiB a batch; budget 5 % of 16 GiB = 819.2 MiB; 2 -> 4 -> 8
+    # 64 x 32 float32 = 8 KiB a batch; budget 5 % of 16 GiB = 819.2 MiB; 2 -> 4, and back to 2
+    # as 4 waited as much (raise_paid)
     assert loader_settings(batches.settings()) == (
-        "Ray Data prefetch_batches 8 (epochs ran at 2, 4), batch 8.0 KiB, host budget 819.2 MiB")
+        "Ray Data prefetch_batches 2 (epochs ran at 2, 4), batch 8.0 KiB, host budget 819.2 MiB")
     assert loader_settings({"num_workers": 2, "prefetch_factor": 4,
                             "persistent_workers": True}) == \
         "num_workers 2 prefetch_factor 4 persistent_workers True"

@@ -11,7 +11,10 @@ The rules:
 - Between epochs (a shard's iterator cannot be restarted mid-epoch: every rank starts an epoch
   of a streaming split together): an epoch that waited for data more than
   ``ray_data_raise_wait_frac`` (10 %) of its time doubles the depth, never past
-  ``max_prefetch_factor`` or the budget; a SET_PREFETCH decision caps it.
+  ``max_prefetch_factor`` or the budget; a SET_PREFETCH decision caps it. A raise must pay:
+  when the next epoch's wait did not fall by ``effect_min_share`` (half) of the way to that
+  line, the depth goes back and is not raised again (a stage slower than the step on average
+  is not helped by a deeper queue, which only holds host RAM).
 - Each batch's wait ends the step's ``data`` phase (:meth:`time_steps`, the step guard's
   ``before_fetch``/``after_fetch``): a slow pipeline shows as data in the gate and the summary.
 """
@@ -58,6 +61,14 @@ def next_prefetch(prefetch_batches: int, data_wait_frac: float, batch_bytes: int
     return max(1, min(wanted, ceiling))
 
 
+def raise_paid(wait_before: float, wait_after: float, config: GuardConfig) -> bool:
+    """Whether a raised depth paid for itself (pure): the epoch's data wait fell by at least
+    ``effect_min_share`` of the way from the wait before down to ``ray_data_raise_wait_frac``
+    (the doubling's aim). Example: 18 % before, line 10 %: at most 14 % after."""
+    aim = max(0.0, wait_before - config.ray_data_raise_wait_frac)
+    return wait_before - wait_after >= config.effect_min_share * aim
+
+
 class GuardedBatches:
     """An iterable over a Ray Train worker's Ray Data shard: one epoch per ``iter()``
     (see the module rules). ``kwargs`` go to ``shard.iter_torch_batches``."""
@@ -80,6 +91,8 @@ class GuardedBatches:
         self.history: list[dict[str, Any]] = []     # per epoch: depth, wait fraction
         self._given = given is not None
         self._cap: int | None = None
+        self._raised: tuple[int, float] | None = None   # (depth, wait) before the last raise
+        self._raises_pay = True                          # False once a raise did not
         self._steps: Any = None
         self._wait_s = self._total_s = 0.0
         self._batches = 0
@@ -155,10 +168,23 @@ class GuardedBatches:
 
     def _epoch_done(self, wait_s: float, epoch_s: float) -> None:
         frac = wait_s / epoch_s if epoch_s > 0 else 0.0
-        depth = next_prefetch(self.prefetch_batches, frac, self.batch_bytes, self.budget_bytes,
-                              self.config, self._cap)
         self.history.append({"prefetch_batches": self.prefetch_batches,
                              "data_wait_frac": round(frac, 4)})
+        raised, self._raised = self._raised, None
+        if raised is not None and not raise_paid(raised[1], frac, self.config):
+            logger.info("rank %d: Ray Data prefetch_batches %d -> %d, not raised again: at %d "
+                        "the epoch still waited %.0f%% of its time for data (%.0f%% at %d), the "
+                        "stage is slower than the step, not bursty", self.world_rank,
+                        self.prefetch_batches, raised[0], self.prefetch_batches, 100 * frac,
+                        100 * raised[1], raised[0])
+            self.prefetch_batches, self._raises_pay = raised[0], False
+            return
+        cap = self._cap if self._raises_pay else min(self._cap or self.prefetch_batches,
+                                                     self.prefetch_batches)
+        depth = next_prefetch(self.prefetch_batches, frac, self.batch_bytes, self.budget_bytes,
+                              self.config, cap)
+        if depth > self.prefetch_batches:
+            self._raised = (self.prefetch_batches, frac)
         if depth != self.prefetch_batches:
             logger.info("rank %d: Ray Data prefetch_batches %d -> %d: the epoch waited %.0f%% "
                         "of its time for data (raised above %.0f%%), %d x %s within the host "
