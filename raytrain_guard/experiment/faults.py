@@ -61,8 +61,8 @@ KINDS: Mapping[str, FaultKind] = {
                                "memory_growth:rank=1,start=10,per_step=1MiB"),
     "activation_spike": FaultKind({"factor": (_positive_int, None), "steps": (_positive_int, 1)},
                                   "activation_spike:rank=1,start=30,factor=8,steps=3"),
-    "host_memory": FaultKind({"size": (parse_bytes, None)}, "host_memory:rank=0,start=10,size=2GiB",
-                             by_node=True),
+    "host_memory": FaultKind({"size": (parse_bytes, None), "per_step": (parse_bytes, 0)},
+                             "host_memory:rank=0,start=10,size=2GiB", by_node=True),
     "crash": FaultKind({}, "crash:rank=1,start=40", once=True),
     "hang": FaultKind({}, "hang:rank=1,start=40", once=True),
 }

@@ -6,6 +6,7 @@ rehearsal (:class:`~raytrain_guard.runtime.loop.rehearsal.Rehearsal`), applies o
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import multiprocessing
@@ -52,11 +53,19 @@ class SlowDataset(torch.utils.data.Dataset):
 
 
 _HOG = """
-import os, sys, time
-parent = os.getppid()
-block = bytearray(b"\\x01") * int(sys.argv[1])   # written: resident pages
-while os.getppid() == parent:
-    time.sleep(0.5)
+import os, sys
+try:
+    with open("/proc/self/oom_score_adj", "w") as fh:
+        fh.write("0")
+except OSError:
+    pass
+blocks = []
+while True:
+    line = sys.stdin.readline()         # a size to hold, each step; "" once the rank is gone
+    if not line:
+        break
+    while len(blocks) * (1 << 20) < int(line):
+        blocks.append(bytearray(b"\\x01") * (1 << 20))   # written: resident pages
 """
 
 
@@ -96,6 +105,7 @@ class FaultRuntime(Rehearsal):
             else None
         self._held: list[torch.Tensor] = []
         self._hog: subprocess.Popen | None = None
+        self._hog_from = 0
         self._comm_slept_step = -1
         self.num_injected = 0
 
@@ -142,8 +152,8 @@ class FaultRuntime(Rehearsal):
             if spec.active(step):
                 self._hold(int(spec.params["per_step"]))
         for spec in self.of("host_memory"):
-            if spec.active(step) and self._hog is None and self._holds_node_ram(spec):
-                self._start_hog(int(spec.params["size"]))
+            if spec.active(step) and (self._hog is not None or self._holds_node_ram(spec)):
+                self._hold_host_memory(spec, step)
             elif not spec.active(step) and self._hog is not None and step >= spec.start:
                 self.close()
         for fill in self.memory:
@@ -222,11 +232,26 @@ class FaultRuntime(Rehearsal):
         else:
             self._held.append(torch.ones(num_bytes, dtype=torch.uint8, device=self.torch_device))
 
-    def _start_hog(self, num_bytes: int) -> None:
+    def _hold_host_memory(self, spec: FaultSpec, step: int) -> None:
+        """The ``host_memory`` process holds ``size`` of RAM from the step it started (in this
+        process: a restarted group starts over), and ``per_step`` more at each later step.
+        It is not a Ray worker, so the kernel's OOM killer picks a Ray worker before it (Ray
+        sets theirs to oom_score_adj 1000)."""
+        size, per_step = int(spec.params["size"]), int(spec.params["per_step"])
+        if self._hog is None:
+            self._hog_from = step
+            self._hog = subprocess.Popen([sys.executable, "-c", _HOG], stdin=subprocess.PIPE,
+                                         text=True)
+            logger.warning("rank %d step %d: fault injected: a process holds %s of host RAM%s",
+                           self.world_rank, step, format_bytes(size),
+                           f", {format_bytes(per_step)} more a step" if per_step else "")
+        held = size + per_step * (step - self._hog_from)
         self.num_injected += 1
-        logger.warning("rank %d step %d: fault injected: a process holds %s of host RAM",
-                       self.world_rank, self.step, format_bytes(num_bytes))
-        self._hog = subprocess.Popen([sys.executable, "-c", _HOG, str(num_bytes)])
+        try:
+            self._hog.stdin.write(f"{held}\n")
+            self._hog.stdin.flush()
+        except OSError:                  # it was killed (by the OOM killer): training goes on
+            pass
 
     def _holds_node_ram(self, spec: FaultSpec) -> bool:
         """Whether this rank holds ``spec``'s RAM: every rank of a rank fault; of a node fault,
@@ -261,6 +286,8 @@ class FaultRuntime(Rehearsal):
 
     def close(self) -> None:
         if self._hog is not None:
+            with contextlib.suppress(OSError):
+                self._hog.stdin.close()
             self._hog.kill()
             self._hog.wait()
             self._hog = None
