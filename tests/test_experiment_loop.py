@@ -192,6 +192,22 @@ def test_the_host_memory_fault_grows_per_step_and_is_the_oom_killers_last_pick(t
                 fh.write("0")
 
 
+def test_the_host_memory_fault_fills_the_host_to_its_fraction(tmp_path, monkeypatch):
+    from raytrain_guard.experiment import injection
+    from raytrain_guard.experiment.injection import FaultRuntime
+
+    # a host of 1000 MiB with 950 free: 10 % of it is 100 MiB, 50 of them used already
+    monkeypatch.setattr(injection, "host_memory", lambda: (1000 * MiB, 950 * MiB))
+    faults = FaultRuntime([parse_fault("host_memory:rank=0,start=2,frac=0.1")],
+                          world_rank=0, marker_dir=str(tmp_path))
+    try:
+        faults.begin_step(2)
+        assert faults._hog_size == 50 * MiB
+        assert _rss_reaches(faults._hog.pid, 50 * MiB) >= 50 * MiB
+    finally:
+        faults.close()
+
+
 def test_a_node_fault_is_on_the_ranks_of_its_node_and_one_of_them_holds_its_ram(tmp_path):
     import socket
 

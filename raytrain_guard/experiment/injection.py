@@ -23,6 +23,7 @@ import torch
 from raytrain_guard.experiment.card import SimulatedDevice, SimulatedDeviceProbe
 from raytrain_guard.experiment.faults import FaultSpec
 from raytrain_guard.planner.batches import iter_tensors, map_tensors
+from raytrain_guard.runtime.host_memory import host_memory
 from raytrain_guard.runtime.loop.rehearsal import Rehearsal
 from raytrain_guard.units import format_bytes
 
@@ -106,6 +107,7 @@ class FaultRuntime(Rehearsal):
         self._held: list[torch.Tensor] = []
         self._hog: subprocess.Popen | None = None
         self._hog_from = 0
+        self._hog_size = 0
         self._comm_slept_step = -1
         self.num_injected = 0
 
@@ -234,18 +236,25 @@ class FaultRuntime(Rehearsal):
 
     def _hold_host_memory(self, spec: FaultSpec, step: int) -> None:
         """The ``host_memory`` process holds ``size`` of RAM from the step it started (in this
-        process: a restarted group starts over), and ``per_step`` more at each later step.
-        It is not a Ray worker, so the kernel's OOM killer picks a Ray worker before it (Ray
-        sets theirs to oom_score_adj 1000)."""
+        process: a restarted group starts over), or with ``frac`` as much as fills this host
+        (the tightest cgroup over the process) to that fraction, if more; and ``per_step``
+        more at each later step. It is not a Ray worker, so the kernel's OOM killer picks a
+        Ray worker before it (Ray sets theirs to oom_score_adj 1000)."""
         size, per_step = int(spec.params["size"]), int(spec.params["per_step"])
+        frac = float(spec.params.get("frac", 0.0))
         if self._hog is None:
             self._hog_from = step
+            if frac:
+                total, available = host_memory()
+                self._hog_size = max(size, int(frac * total) - (total - available))
+            else:
+                self._hog_size = size
             self._hog = subprocess.Popen([sys.executable, "-c", _HOG], stdin=subprocess.PIPE,
                                          text=True)
             logger.warning("rank %d step %d: fault injected: a process holds %s of host RAM%s",
-                           self.world_rank, step, format_bytes(size),
+                           self.world_rank, step, format_bytes(self._hog_size),
                            f", {format_bytes(per_step)} more a step" if per_step else "")
-        held = size + per_step * (step - self._hog_from)
+        held = self._hog_size + per_step * (step - self._hog_from)
         self.num_injected += 1
         try:
             self._hog.stdin.write(f"{held}\n")
