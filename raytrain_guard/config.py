@@ -201,6 +201,12 @@ class GuardConfig:
     host_memory_watermark_frac: float = _doc(
         0.90, "Host memory used fraction at which the policy lowers the node's prefetch depth. "
         "Default 0.90: below Ray's memory monitor (0.95).", 0.0, 1.0, lo_open=True)
+    host_memory_stop_frac: float = _doc(
+        0.93, "Host memory used fraction of a node at which the policy checkpoints and stops "
+        "every rank. Default 0.93: a stop lands some 2-3 s after the node's sample (a monitor "
+        "interval, a policy round, a lockstep apply step), before Ray's memory monitor kills "
+        "a worker at 0.95 while the node grows by under 1 % of its RAM a second.",
+        0.0, 1.0, lo_open=True)
     coordinator_retry_s: float = _doc(
         5.0, "Least time between two lookups of an unreachable coordinator by name. Default "
         "5 s: Ray restarts a killed actor within seconds.", 0.0)
@@ -316,6 +322,7 @@ def _validate(config: GuardConfig) -> None:
                               fix=_range_fix(f.name, lo, hi, lo_open))
     for low, high in (("min_workers_per_gpu", "max_workers_per_gpu"),
                       ("memory_watermark_frac", "memory_critical_frac"),
+                      ("host_memory_watermark_frac", "host_memory_stop_frac"),
                       ("min_bucket_cap_mb", "max_bucket_cap_mb")):
         if getattr(config, low) > getattr(config, high):
             raise ConfigError(low, f"exceeds {high}", value=getattr(config, low),

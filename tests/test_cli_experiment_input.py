@@ -22,6 +22,10 @@ from raytrain_guard.experiment import runner
     (["--fault", "slow_compute:node=1,start=4,factor=3"], "use node 0..0, or pass --nodes 2"),
     (["--nodes", "2", "--fault", "slow_compute:node=1,rank=0,start=4,factor=3"],
      "node and rank(s) together"),
+    (["--node-memory", "lots"], "--node-memory"),
+    (["--node-memory", "4GiB", "--address", "10.0.0.1:6379"],
+     ("--node-memory: gives the nodes of a local cluster the experiment starts their own "
+      "memory; this run joins a running cluster")),
 ])
 def test_bad_experiment_input_is_one_line_exit_2(argv, names, capsys, monkeypatch):
     import ray

@@ -149,6 +149,65 @@ def test_the_host_memory_fault_is_a_process_holding_the_ram_until_its_stop(tmp_p
         hog.status() == psutil.STATUS_ZOMBIE
 
 
+def _rss_reaches(pid: int, num_bytes: int, timeout_s: float = 20.0) -> int:
+    import time
+
+    import psutil
+    deadline = time.monotonic() + timeout_s
+    while (rss := psutil.Process(pid).memory_info().rss) < num_bytes \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rss
+
+
+def test_the_host_memory_fault_grows_per_step_and_is_the_oom_killers_last_pick(tmp_path):
+    import os
+
+    from raytrain_guard.experiment.injection import FaultRuntime
+
+    root = os.geteuid() == 0
+    if root:      # as a Ray worker is (Ray's oom_score_adj 1000), which the process inherits
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("500")
+    faults = FaultRuntime([parse_fault("host_memory:rank=0,start=2,stop=5,size=16MiB,"
+                                       "per_step=16MiB")], world_rank=0,
+                          marker_dir=str(tmp_path))
+    try:
+        faults.begin_step(2)
+        pid = faults._hog.pid
+        assert _rss_reaches(pid, 16 * MiB) >= 16 * MiB
+        assert _rss_reaches(pid, 32 * MiB, timeout_s=1.0) < 32 * MiB   # size at its start
+        faults.begin_step(3)
+        assert _rss_reaches(pid, 32 * MiB) >= 32 * MiB                 # then 16 MiB a step
+        faults.begin_step(4)
+        assert _rss_reaches(pid, 48 * MiB) >= 48 * MiB
+        assert faults.num_injected == 3
+        if root:
+            with open(f"/proc/{pid}/oom_score_adj") as fh:
+                assert fh.read().strip() == "0"
+    finally:
+        faults.close()
+        if root:
+            with open("/proc/self/oom_score_adj", "w") as fh:
+                fh.write("0")
+
+
+def test_the_host_memory_fault_fills_the_host_to_its_fraction(tmp_path, monkeypatch):
+    from raytrain_guard.experiment import injection
+    from raytrain_guard.experiment.injection import FaultRuntime
+
+    # a host of 1000 MiB with 950 free: 10 % of it is 100 MiB, 50 of them used already
+    monkeypatch.setattr(injection, "host_memory", lambda: (1000 * MiB, 950 * MiB))
+    faults = FaultRuntime([parse_fault("host_memory:rank=0,start=2,frac=0.1")],
+                          world_rank=0, marker_dir=str(tmp_path))
+    try:
+        faults.begin_step(2)
+        assert faults._hog_size == 50 * MiB
+        assert _rss_reaches(faults._hog.pid, 50 * MiB) >= 50 * MiB
+    finally:
+        faults.close()
+
+
 def test_a_node_fault_is_on_the_ranks_of_its_node_and_one_of_them_holds_its_ram(tmp_path):
     import socket
 

@@ -79,6 +79,8 @@ def test_a_node_fault_names_a_node_and_takes_its_ranks_where_they_run():
     ("crash:node=1,start=4", "takes no node key", "crash:rank=1"),
     ("slow_compute:node=-1,start=4,factor=3", "node=-1 is not valid", "e.g."),
     ("host_memory:node=1,size=1MiB", "missing start", "host_memory:node=1,start="),
+    ("host_memory:node=1,start=4", "holds nothing", "frac=F"),
+    ("host_memory:node=1,start=4,frac=1.5", "frac=1.5 is not valid", "e.g."),
 ])
 def test_a_bad_node_key_is_one_line_naming_fault_and_the_fix(spec, names, fix):
     with pytest.raises(InputError) as err:

@@ -209,12 +209,12 @@ def test_nvml_reading_counts_as_device_pressure():
     (4, [("node:n1", {"prefetch_factor": 2})], ()),     # 4 // 2
     (3, [("node:n1", {"prefetch_factor": 1})], ()),     # 3 // 2
     (None, [("node:n1", {"prefetch_factor": 1})], ()),  # unknown -> the minimum
-    (1, [], ("node n1: host memory at 95% with prefetch_factor already 1; nothing left to lower",)),
+    (1, [], ("node n1: host memory at 92% with prefetch_factor already 1; nothing left to lower",)),
 ])
 def test_host_pressure_lowers_prefetch_on_that_node(prefetch, expected, note):
     setup = RunSetup(8, 1, prefetch)
     v = view({0: rank(0, "n0", setup), 1: rank(1, "n1", setup)},
-             {"n0": node("n0", available_frac=0.5), "n1": node("n1", available_frac=0.05)})
+             {"n0": node("n0", available_frac=0.5), "n1": node("n1", available_frac=0.08)})
     out = _decide(v)
     assert [(d.scope, dict(d.params)) for d in out.decisions] == expected
     assert all(d.action is Action.SET_PREFETCH and d.cause is Cause.HOST_MEMORY
@@ -224,6 +224,40 @@ def test_host_pressure_lowers_prefetch_on_that_node(prefetch, expected, note):
         assert out.state.prefetch_steps == {"n1": 60}
         # cooldown: the same node is not lowered again before step 60 + 20 = 80
         assert _decide(v, out.state).decisions == ()
+
+
+def test_host_memory_past_the_stop_line_stops_every_rank_naming_the_node():
+    # n1 at 95 % (stop line 0.93): lowering prefetch would come too late; and rank 3 is a
+    # straggler, which a stopping run does not act on
+    ranks = {r: rank(r, "n0" if r < 2 else "n1", first=21, n=20,
+                     **({"compute": 0.9, "comm": 0.05} if r == 3 else {})) for r in range(4)}
+    v = view(ranks, {"n0": node("n0", available_frac=0.5), "n1": node("n1", available_frac=0.05)})
+    out = _decide(v)
+    (d,) = out.decisions
+    assert (d.action, d.cause, d.scope, d.step) == (Action.CHECKPOINT_AND_STOP,
+                                                    Cause.HOST_MEMORY, "cluster", 60)
+    assert dict(d.params) == {"node_id": "n1", "memory_frac": 0.95}
+    assert d.reason == ("checkpoint and stop: node n1 at 95% of host memory, past the stop "
+                        "line 93% (Ray's memory monitor kills a worker at 95%, the kernel at "
+                        "100%)")
+    assert out.state.stop_step == 60
+    # the next rounds decide nothing more
+    assert _decide(v, out.state).decisions == ()
+    # just under the line: the watermark's prefetch rule instead
+    v = view(ranks, {"n1": node("n1", available_frac=0.0701)})
+    assert [d.action for d in _decide(v).decisions if d.cause is Cause.HOST_MEMORY] == \
+        [Action.SET_PREFETCH]
+
+
+def test_host_pressure_without_loader_workers_lowers_nothing():
+    # every rank of n1 loads in its training process: no prefetch to lower, a note says so
+    setup = RunSetup(8, 1, None, num_workers=0)
+    v = view({0: rank(0, "n0", setup), 1: rank(1, "n1", setup)},
+             {"n1": node("n1", available_frac=0.08)})
+    out = _decide(v)
+    assert out.decisions == ()
+    assert out.notes == (("node n1: host memory at 92%; its ranks load in the training process "
+                          "(no loader workers): no prefetch to lower"),)
 
 
 def _straggler_view(gpus=(), slow=(3,), nodes=("n0", "n0", "n1", "n1"), workers=(), **slow_kw):

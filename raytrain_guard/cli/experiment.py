@@ -61,6 +61,10 @@ def add_experiment_command(subparsers) -> None:
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="each rank's card: simulated on CPU, a cap on CUDA (default for the "
                         "built-in model: 10MiB)")
+    p.add_argument("--node-memory", default=None, metavar="SIZE",
+                   help="host RAM of each Ray node the experiment starts: its processes in a "
+                        "memory cgroup of SIZE, whose kernel OOM killer acts on that node "
+                        "alone, as on separate hosts (root, cgroup v1; e.g. 4GiB)")
     p.add_argument("--device-step-ms", type=float, default=None, metavar="MS",
                    help="device time per micro-batch that the host waits out in forward and "
                         "backward, as beside a GPU (default for the built-in model: 50; 0: the "
@@ -112,6 +116,7 @@ def experiment_setup(args: argparse.Namespace) -> Any:
         device_memory_bytes=size(args.device_memory, "--device-memory")
         if args.device_memory else None,
         device_step_ms=args.device_step_ms,
+        node_memory_bytes=size(args.node_memory, "--node-memory") if args.node_memory else None,
         micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         factories=given or dict(runner.BUILT_IN), num_samples=args.num_samples,
         max_failures=args.max_failures, collective_timeout_s=args.collective_timeout)

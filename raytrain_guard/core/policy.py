@@ -73,6 +73,7 @@ def decide(view: ClusterView, state: PolicyState, config: GuardConfig,
     state = device_memory(r, state)
     if state.stop_step is None:
         state = _host_memory(r, state)
+    if state.stop_step is None:
         state = _stragglers(r, state, scores)
         state = _pacing(r, state)
     return PolicyOutcome(tuple(r.decisions), state, scores, tuple(r.notes))
@@ -81,20 +82,39 @@ def decide(view: ClusterView, state: PolicyState, config: GuardConfig,
 # -- host memory -------------------------------------------------------------------------------
 
 def _host_memory(r: Round, state: PolicyState) -> PolicyState:
-    """Lower the prefetch factor of a node past ``host_memory_watermark_frac``, priced from
-    its ranks' loader figures when every rank reports them."""
+    """Checkpoint and stop every rank when a node reaches ``host_memory_stop_frac`` (before
+    Ray's memory monitor or the kernel kills a worker there); else lower the prefetch factor
+    of a node past ``host_memory_watermark_frac``, priced from its ranks' loader figures when
+    every rank reports them, where its ranks have loader workers to lower."""
     config, steps = r.config, dict(state.prefetch_steps)
+    for node_id in sorted(r.view.nodes):
+        host = r.view.nodes[node_id].host
+        if host is not None and host.memory_used_frac >= config.host_memory_stop_frac:
+            short = short_node_id(node_id)
+            r.decisions.append(Decision(
+                Action.CHECKPOINT_AND_STOP,
+                f"checkpoint and stop: node {short} at {host.memory_used_frac:.0%} of host "
+                f"memory, past the stop line {config.host_memory_stop_frac:.0%} (Ray's "
+                f"memory monitor kills a worker at 95%, the kernel at 100%)",
+                r.at, Cause.HOST_MEMORY, "cluster",
+                {"node_id": node_id, "memory_frac": round(host.memory_used_frac, 4)}))
+            return dataclasses.replace(state, stop_step=r.at)
     for node_id in sorted(r.view.nodes):
         host = r.view.nodes[node_id].host
         if host is None or host.memory_used_frac < config.host_memory_watermark_frac \
                 or not r.cooled(steps.get(node_id)):
             continue
         short = short_node_id(node_id)
+        here = [v for v in r.view.ranks.values() if v.node_id == node_id]
+        if here and all(v.setup.num_workers == 0 for v in here):
+            r.notes.append(f"node {short}: host memory at {host.memory_used_frac:.0%}; its "
+                           f"ranks load in the training process (no loader workers): no "
+                           f"prefetch to lower")
+            continue
         if missed_key(Action.SET_PREFETCH, Cause.HOST_MEMORY, f"node:{node_id}") in state.missed:
             r.notes.append(f"node {short}: lowering prefetch missed its prediction before; "
                            f"not repeated")
             continue
-        here = [v for v in r.view.ranks.values() if v.node_id == node_id]
         current = min((v.setup.prefetch_factor for v in here
                        if v.setup.prefetch_factor is not None), default=None)
         if current == 1:

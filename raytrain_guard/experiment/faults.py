@@ -45,6 +45,13 @@ def _above(bound: float) -> Callable[[str], float]:
     return parse
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise ValueError("must be between 0 and 1")
+    return value
+
+
 def _positive_int(text: str) -> int:
     return check_int("value", text, at_least=1, parse=True)   # parse_fault names the key
 
@@ -61,8 +68,9 @@ KINDS: Mapping[str, FaultKind] = {
                                "memory_growth:rank=1,start=10,per_step=1MiB"),
     "activation_spike": FaultKind({"factor": (_positive_int, None), "steps": (_positive_int, 1)},
                                   "activation_spike:rank=1,start=30,factor=8,steps=3"),
-    "host_memory": FaultKind({"size": (parse_bytes, None)}, "host_memory:rank=0,start=10,size=2GiB",
-                             by_node=True),
+    "host_memory": FaultKind({"size": (parse_bytes, 0), "frac": (_fraction, 0.0),
+                              "per_step": (parse_bytes, 0)},
+                             "host_memory:rank=0,start=10,size=2GiB", by_node=True),
     "crash": FaultKind({}, "crash:rank=1,start=40", once=True),
     "hang": FaultKind({}, "hang:rank=1,start=40", once=True),
 }
@@ -123,7 +131,9 @@ class FaultSpec:
         keys = [where, f"start={self.start}"]
         if self.stop is not None:
             keys.append(f"stop={self.stop}")
-        keys += [f"{k}={v}" for k, v in self.params.items()]
+        defaults = {k: default for k, (_, default) in KINDS[self.kind].keys.items()}
+        keys += [f"{k}={v}" for k, v in self.params.items()
+                 if defaults.get(k) is None or v != defaults[k]]     # optional keys left out
         return f"{self.kind}:{','.join(keys)}"
 
 
@@ -211,6 +221,10 @@ def _window_and_params(kind: str, values: Mapping[str, str], text: str
             params[key] = default
             continue
         params[key] = _parse_key(kind, key, values[key], parse, text)
+    if kind == "host_memory" and not any(params.values()):
+        raise InputError(flag, f"{kind}: holds nothing", value=text,
+                         fix="give size=BYTES, frac=F (fill the host to F of its RAM) or "
+                             f"per_step=BYTES, e.g. {spec.example}")
     return start, stop, params
 
 

@@ -6,6 +6,7 @@ rehearsal (:class:`~raytrain_guard.runtime.loop.rehearsal.Rehearsal`), applies o
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import multiprocessing
@@ -22,6 +23,7 @@ import torch
 from raytrain_guard.experiment.card import SimulatedDevice, SimulatedDeviceProbe
 from raytrain_guard.experiment.faults import FaultSpec
 from raytrain_guard.planner.batches import iter_tensors, map_tensors
+from raytrain_guard.runtime.host_memory import host_memory
 from raytrain_guard.runtime.loop.rehearsal import Rehearsal
 from raytrain_guard.units import format_bytes
 
@@ -52,11 +54,19 @@ class SlowDataset(torch.utils.data.Dataset):
 
 
 _HOG = """
-import os, sys, time
-parent = os.getppid()
-block = bytearray(b"\\x01") * int(sys.argv[1])   # written: resident pages
-while os.getppid() == parent:
-    time.sleep(0.5)
+import os, sys
+try:
+    with open("/proc/self/oom_score_adj", "w") as fh:
+        fh.write("0")
+except OSError:
+    pass
+blocks = []
+while True:
+    line = sys.stdin.readline()         # a size to hold, each step; "" once the rank is gone
+    if not line:
+        break
+    while len(blocks) * (1 << 20) < int(line):
+        blocks.append(bytearray(b"\\x01") * (1 << 20))   # written: resident pages
 """
 
 
@@ -96,6 +106,8 @@ class FaultRuntime(Rehearsal):
             else None
         self._held: list[torch.Tensor] = []
         self._hog: subprocess.Popen | None = None
+        self._hog_from = 0
+        self._hog_size = 0
         self._comm_slept_step = -1
         self.num_injected = 0
 
@@ -142,8 +154,8 @@ class FaultRuntime(Rehearsal):
             if spec.active(step):
                 self._hold(int(spec.params["per_step"]))
         for spec in self.of("host_memory"):
-            if spec.active(step) and self._hog is None and self._holds_node_ram(spec):
-                self._start_hog(int(spec.params["size"]))
+            if spec.active(step) and (self._hog is not None or self._holds_node_ram(spec)):
+                self._hold_host_memory(spec, step)
             elif not spec.active(step) and self._hog is not None and step >= spec.start:
                 self.close()
         for fill in self.memory:
@@ -222,11 +234,33 @@ class FaultRuntime(Rehearsal):
         else:
             self._held.append(torch.ones(num_bytes, dtype=torch.uint8, device=self.torch_device))
 
-    def _start_hog(self, num_bytes: int) -> None:
+    def _hold_host_memory(self, spec: FaultSpec, step: int) -> None:
+        """The ``host_memory`` process holds ``size`` of RAM from the step it started (in this
+        process: a restarted group starts over), or with ``frac`` as much as fills this host
+        (the tightest cgroup over the process) to that fraction, if more; and ``per_step``
+        more at each later step. It is not a Ray worker, so the kernel's OOM killer picks a
+        Ray worker before it (Ray sets theirs to oom_score_adj 1000)."""
+        size, per_step = int(spec.params["size"]), int(spec.params["per_step"])
+        frac = float(spec.params.get("frac", 0.0))
+        if self._hog is None:
+            self._hog_from = step
+            if frac:
+                total, available = host_memory()
+                self._hog_size = max(size, int(frac * total) - (total - available))
+            else:
+                self._hog_size = size
+            self._hog = subprocess.Popen([sys.executable, "-c", _HOG], stdin=subprocess.PIPE,
+                                         text=True)
+            logger.warning("rank %d step %d: fault injected: a process holds %s of host RAM%s",
+                           self.world_rank, step, format_bytes(self._hog_size),
+                           f", {format_bytes(per_step)} more a step" if per_step else "")
+        held = self._hog_size + per_step * (step - self._hog_from)
         self.num_injected += 1
-        logger.warning("rank %d step %d: fault injected: a process holds %s of host RAM",
-                       self.world_rank, self.step, format_bytes(num_bytes))
-        self._hog = subprocess.Popen([sys.executable, "-c", _HOG, str(num_bytes)])
+        try:
+            self._hog.stdin.write(f"{held}\n")
+            self._hog.stdin.flush()
+        except OSError:                  # it was killed (by the OOM killer): training goes on
+            pass
 
     def _holds_node_ram(self, spec: FaultSpec) -> bool:
         """Whether this rank holds ``spec``'s RAM: every rank of a rank fault; of a node fault,
@@ -261,6 +295,8 @@ class FaultRuntime(Rehearsal):
 
     def close(self) -> None:
         if self._hog is not None:
+            with contextlib.suppress(OSError):
+                self._hog.stdin.close()
             self._hog.kill()
             self._hog.wait()
             self._hog = None

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from raytrain_guard.errors import InputError
+from raytrain_guard.experiment.node_memory import NodeCgroups
 
 #: Ray's own variable for the cluster to join; ``--address`` wins over it
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
@@ -37,15 +38,18 @@ def experiment_ray(setup: Any, namespace: str, address: str | None = None
     Otherwise a local cluster, stopped when the block ends: one node (as ``ray.init()``), or
     with ``setup.nodes`` > 1 that many Ray nodes on this machine (``ray.cluster_utils.Cluster``:
     the head and ``nodes - 1`` workers, each with its own node id, raylet and CPUs for its
-    share of the workers plus one)."""
+    share of the workers plus one); with ``setup.node_memory_bytes``, each in its own memory
+    cgroup of that size (:mod:`.node_memory`), the result's ``cluster["node_memory"]``."""
     import ray
 
     options = {"namespace": namespace, "log_to_driver": False, "logging_level": "error"}
     joined = cluster_address(address)
+    node_memory = getattr(setup, "node_memory_bytes", None)
+    check_node_memory(node_memory, address)
     if ray.is_initialized():
         yield _ordered_node_ids(setup.nodes), _cluster("this process's Ray")
         return
-    if joined is not None or setup.nodes == 1:
+    if joined is not None or (setup.nodes == 1 and node_memory is None):
         if joined is not None:
             ray.init(address=joined, **options)
         else:
@@ -56,8 +60,10 @@ def experiment_ray(setup: Any, namespace: str, address: str | None = None
         finally:
             ray.shutdown()
         return
+    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
+    cgroups = NodeCgroups(node_memory) if node_memory is not None else None
     cpus = -(-setup.num_workers // setup.nodes) + 1
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": cpus, "include_dashboard": False})
@@ -65,13 +71,34 @@ def experiment_ray(setup: Any, namespace: str, address: str | None = None
         nodes = [cluster.head_node] + [cluster.add_node(num_cpus=cpus)
                                        for _ in range(setup.nodes - 1)]
         cluster.wait_for_nodes()
+        if cgroups is not None:
+            for index, node in enumerate(nodes):
+                raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+                cgroups.confine(index, raylet.pid)
         ray.init(address=cluster.address, **options)
         try:
-            yield [n.node_id for n in nodes], _cluster(f"local, {setup.nodes} nodes")
+            where = _cluster(f"local, {setup.nodes} node{'s' if setup.nodes > 1 else ''}")
+            if cgroups is not None:
+                where["node_memory"] = {"limit_bytes": cgroups.limit_bytes,
+                                        "cgroups": list(cgroups.paths)}
+            yield [n.node_id for n in nodes], where
         finally:
             ray.shutdown()
     finally:
         cluster.shutdown()
+        if cgroups is not None:
+            cgroups.close()
+
+
+def check_node_memory(node_memory: int | None, address: str | None) -> None:
+    """InputError where ``--node-memory`` is given for a cluster the experiment does not start."""
+    import ray
+
+    if node_memory is not None and (ray.is_initialized() or cluster_address(address)):
+        raise InputError("--node-memory", "gives the nodes of a local cluster the experiment "
+                         "starts their own memory; this run joins a running cluster",
+                         value=node_memory, fix="leave --node-memory out with --address, "
+                         "RAY_ADDRESS or your own ray.init (its nodes have their own RAM)")
 
 
 def _cluster(where: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ ROWS: Sequence[tuple[str, str, str]] = (
     ("step p50", "step_p50_s", "ms"), ("step p99", "step_p99_s", "ms"),
     ("data wait", "data_wait_frac", "pct"), ("peak memory", "peak_memory_frac", "pct"),
     ("global batch", "global_batch", "batch"),
+    ("host OOM kills", "host_oom_kills", "kills"),
 )
 
 
@@ -44,6 +45,10 @@ def _cell(arm: Mapping[str, Any], key: str, kind: str) -> str:
         return "yes" if value else "**no**"
     if kind == "steps":
         return f"{value}/{arm.get('total_steps')}"
+    if kind == "kills":
+        where = ", ".join(f"node {i}: {k}" for i, k in
+                          enumerate(arm.get("host_oom_kills_by_node") or ()) if k)
+        return f"{value} ({where})" if where else str(value)
     if kind in _FORMATS:
         return _FORMATS[kind].format(value * 1000 if kind == "ms" else value)
     return str(value).replace("|", "/")
@@ -54,6 +59,8 @@ def side_by_side(arms: Mapping[str, Mapping[str, Any]]) -> str:
     names = list(arms)
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for label, key, kind in ROWS:
+        if kind == "kills" and all(arms[n].get(key) is None for n in names):
+            continue                    # counted only with --node-memory
         lines.append(f"| {label} | " + " | ".join(_cell(arms[n], key, kind) for n in names)
                      + " |")
     lines.append("| detections | " + " | ".join(str(len(arms[n]["detections"])) for n in names)

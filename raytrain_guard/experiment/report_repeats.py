@@ -23,6 +23,7 @@ LABELS: Mapping[str, tuple[str, str]] = {
     "lost_steps": ("steps computed again", "{:g}"),
     "samples_lost": ("samples lost", "{:g}"),
     "samples_repeated": ("samples repeated", "{:g}"),
+    "host_oom_kills": ("processes the host's OOM killer killed", "{:g}"),
     stats.FALSE_EVENTS: ("false events / 1000 clean steps", "{:.2f}"),
 }
 

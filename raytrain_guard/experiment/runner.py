@@ -31,7 +31,8 @@ from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError, one_line
 from raytrain_guard.experiment import analysis, stats
 from raytrain_guard.experiment.faults import FaultSpec
-from raytrain_guard.experiment.ray_cluster import experiment_ray
+from raytrain_guard.experiment.node_memory import oom_kills
+from raytrain_guard.experiment.ray_cluster import check_node_memory, experiment_ray
 from raytrain_guard.runtime.loop.config import REHEARSAL
 from raytrain_guard.units import MiB
 
@@ -77,6 +78,7 @@ class ExperimentSetup:
     device_step_ms: float | None = None     # None: BUILT_IN_DEVICE_STEP_MS for the built-in job
     nodes: int = 1                          # Ray nodes on this machine, the workers spread
     repeat: int = 1                         # pairs of arms, interleaved; pair i at seed + i
+    node_memory_bytes: int | None = None    # each local node in a memory cgroup of this size
 
     @property
     def built_in(self) -> bool:
@@ -170,15 +172,18 @@ def loop_config(setup: ExperimentSetup, arm: str, arm_dir: str,
 
 
 def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
-            namespace: str = "raytrain_guard", node_ids: Sequence[str] = ()) -> dict[str, Any]:
+            namespace: str = "raytrain_guard", node_ids: Sequence[str] = (),
+            node_cgroups: Sequence[str] = ()) -> dict[str, Any]:
     """Run one arm and return its figures (the ARM object of the report); ArmTracesError when
     its ranks left no trace in ``arm_dir``. ``node_ids``: the experiment's Ray nodes, node 0
-    first; with several, the workers spread over them."""
+    first; with several, the workers spread over them. ``node_cgroups``: their memory cgroups
+    (``--node-memory``), whose OOM kills during the arm it counts."""
     from raytrain_guard.cluster.launcher import launch
 
     arm_dir = os.path.abspath(arm_dir)
     os.makedirs(os.path.join(arm_dir, "markers"), exist_ok=True)
     storage = tempfile.mkdtemp(prefix=f"rtg-exp-{arm}-")
+    kills_before = [oom_kills(path) for path in node_cgroups]
     started = time.perf_counter()
     error, summary = None, None
     try:
@@ -202,6 +207,9 @@ def run_arm(setup: ExperimentSetup, arm: str, arm_dir: str, *,
             lateness=detection_lateness(setup), node_ids=node_ids)
     except analysis.ArmTracesError as exc:
         raise analysis.ArmTracesError(f"arm {arm}: {exc}") from None
+    if node_cgroups:                   # what the kernel killed on each node, this arm
+        by_node = [oom_kills(p) - k for p, k in zip(node_cgroups, kills_before)]
+        result["host_oom_kills"], result["host_oom_kills_by_node"] = sum(by_node), by_node
     if summary is not None:            # the rank the coordinator named live, per hung attempt
         result["coordinator_hangs"] = list(summary.coordinator.get("hangs") or [])
     if any(f.kind == "hang" for f in setup.faults) and arm == "observe":
@@ -218,6 +226,7 @@ def run_experiment(setup: ExperimentSetup, out_dir: str, *,
     from raytrain_guard.experiment.report import write_report
 
     setup.check()
+    check_node_memory(setup.node_memory_bytes, address)
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in setup.arms}
@@ -231,7 +240,8 @@ def run_experiment(setup: ExperimentSetup, out_dir: str, *,
                              + " ...")
                 t0 = time.perf_counter()
                 a = run_arm(setup.of_repeat(index), arm, setup.arm_dir(out_dir, arm, index),
-                            namespace=namespace, node_ids=node_ids)
+                            namespace=namespace, node_ids=node_ids,
+                            node_cgroups=cluster.get("node_memory", {}).get("cgroups", ()))
                 runs[arm].append(a)
                 if progress:
                     progress(f"{label}arm {arm}: "

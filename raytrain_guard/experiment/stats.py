@@ -36,7 +36,7 @@ METRICS: Sequence[tuple[str, str]] = (
     ("samples_per_s", "samples_per_s"), ("step_samples_per_s", "step_samples_per_s"),
     ("data_wait_frac", "data_wait_frac"), ("peak_memory_frac", "peak_memory_frac"),
     ("lost_steps", "lost_steps"), ("samples_lost", "samples_lost"),
-    ("samples_repeated", "samples_repeated"),
+    ("samples_repeated", "samples_repeated"), ("host_oom_kills", "host_oom_kills"),
 )
 #: the throughput whose act/observe ratio is taken per pair: the steps' own pace (start-up,
 #: checkpoints and restarts left out, as in benchmarks/experiment.py)
