@@ -157,3 +157,18 @@ def test_address_flag_wins_over_ray_address_and_local_means_start_one(flag, env,
     else:
         monkeypatch.setenv("RAY_ADDRESS", env)
     assert cluster_address(flag) == joined
+
+
+def test_host_oom_kills_read_per_node_and_summarize_where_node_memory_counted_them():
+    from raytrain_guard.experiment.report import side_by_side
+
+    observe = [dict(arm(), host_oom_kills=k, host_oom_kills_by_node=[0, k]) for k in (1, 2)]
+    act = [dict(arm(), host_oom_kills=0, host_oom_kills_by_node=[0, 0]) for _ in range(2)]
+    arms = stats.summarize_repeats({"observe": observe, "act": act}, [FAULT], late_steps=LATE)
+    assert arms["observe"]["stats"]["host_oom_kills"]["values"] == [1, 2]
+    assert arms["act"]["stats"]["host_oom_kills"]["median"] == 0
+    assert "| host OOM kills | 1 (node 1: 1) | 0 |" in side_by_side(arms)
+    # without --node-memory nothing counted them: no row, no metric
+    plain = stats.summarize_repeats({"observe": [arm(), arm()]}, [FAULT], late_steps=LATE)
+    assert "host_oom_kills" not in plain["observe"]["stats"]
+    assert "host OOM kills" not in side_by_side(plain)
