@@ -158,8 +158,8 @@ def _view(mem, *, run_plan=None, cached_gib=1.0, device="cuda", mb=2, ga=1):
                         1: RankView(1, "n0", _window(1, mem), setup)}, {}, run_plan)
 
 
-def _decide(v, state=PolicyState()):
-    return decide(v, state, CFG, 60)
+def _decide(v, state=None):
+    return decide(v, state or PolicyState(), CFG, 60)
 
 
 def test_shrink_refused_under_fsdp_last_sync_and_a_release_chosen_instead():
@@ -209,8 +209,8 @@ def test_no_cache_release_on_cpu():
 def test_no_release_when_the_allocator_holds_little_cache():
     out = _decide(_view(0.89, cached_gib=2.0))          # 2.5 % of the card < 5 %
     assert out.decisions == ()
-    assert out.notes == ("no cache release: rank 1 (node n0) holds 2048 MiB cached but "
-                         "unallocated, under 5% of the card",)
+    assert out.notes == (("no cache release: rank 1 (node n0) holds 2048 MiB cached but "
+                          "unallocated, under 5% of the card"),)
 
 
 def test_no_repeated_release_on_a_steady_reading_without_allocator_figures():

@@ -66,3 +66,14 @@ def test_without_a_writable_memory_controller_it_says_how_to_run(tmp_path):
         NodeCgroups(128 * MiB, mount=str(tmp_path / "no-mount"))
     assert err.value.field == "--node-memory"
     assert "leave --node-memory out" in str(err.value)
+
+
+def test_a_nodes_raylet_is_found_or_named_as_missing():
+    from types import SimpleNamespace
+
+    from raytrain_guard.experiment.ray_cluster import _raylet_pid
+
+    started = SimpleNamespace(process=SimpleNamespace(pid=4321))
+    assert _raylet_pid(SimpleNamespace(all_processes={"raylet": [started]})) == 4321
+    with pytest.raises(RuntimeError, match="does not list its raylet"):
+        _raylet_pid(SimpleNamespace(all_processes={}))

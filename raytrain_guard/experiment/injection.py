@@ -241,7 +241,7 @@ class FaultRuntime(Rehearsal):
         more at each later step. It is not a Ray worker, so the kernel's OOM killer picks a
         Ray worker before it (Ray sets theirs to oom_score_adj 1000)."""
         size, per_step = int(spec.params["size"]), int(spec.params["per_step"])
-        frac = float(spec.params.get("frac", 0.0))
+        frac = float(spec.params["frac"])
         if self._hog is None:
             self._hog_from = step
             if frac:

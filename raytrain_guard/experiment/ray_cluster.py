@@ -60,7 +60,6 @@ def experiment_ray(setup: Any, namespace: str, address: str | None = None
         finally:
             ray.shutdown()
         return
-    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
     cgroups = NodeCgroups(node_memory) if node_memory is not None else None
@@ -73,8 +72,7 @@ def experiment_ray(setup: Any, namespace: str, address: str | None = None
         cluster.wait_for_nodes()
         if cgroups is not None:
             for index, node in enumerate(nodes):
-                raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
-                cgroups.confine(index, raylet.pid)
+                cgroups.confine(index, _raylet_pid(node))
         ray.init(address=cluster.address, **options)
         try:
             where = _cluster(f"local, {setup.nodes} node{'s' if setup.nodes > 1 else ''}")
@@ -88,6 +86,19 @@ def experiment_ray(setup: Any, namespace: str, address: str | None = None
         cluster.shutdown()
         if cgroups is not None:
             cgroups.close()
+
+
+def _raylet_pid(node: Any) -> int:
+    """The pid of a ``ray.cluster_utils.Cluster`` node's raylet, from the processes the node
+    started (``Node.all_processes``, keyed by Ray's process type, ``"raylet"``). Not a public
+    Ray API: a Ray that no longer lists it gets a clear error, not a KeyError."""
+    try:
+        return int(node.all_processes["raylet"][0].process.pid)
+    except (AttributeError, KeyError, IndexError, TypeError):
+        raise RuntimeError("--node-memory: this Ray's local cluster does not list its raylet "
+                           "process (ray.cluster_utils node.all_processes['raylet']), so its "
+                           "node cannot be put in a cgroup; run without --node-memory"
+                           ) from None
 
 
 def check_node_memory(node_memory: int | None, address: str | None) -> None:
