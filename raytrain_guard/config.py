@@ -73,9 +73,8 @@ class GuardConfig:
         256.0, "Largest bucket_cap_mb recommended (MiB). Default 256 MiB: beyond it an allreduce "
         "delays its overlap with backward more than it saves in latency.", 0.0, lo_open=True)
     bandwidth_peak_frac: float = _doc(
-        0.8, "With a measured allreduce curve, the bucket size is the smallest message that "
-        "reaches this fraction of the peak bus bandwidth. Default 0.8.", 0.0, 1.0,
-        lo_open=True)
+        0.8, "With a measured allreduce curve, the bucket size is the smallest message "
+        "reaching this fraction of the peak bus bandwidth. Default 0.8.", 0.0, 1.0, lo_open=True)
     num_buckets_in_flight: int = _doc(
         2, "DDP bucket buffers alive at once beyond the planned memory (one all-reduced while "
         "the next fills). Default 2, DDP's overlap of one allreduce with backward.", 1)
@@ -107,9 +106,9 @@ class GuardConfig:
     cpu_memory_budget_bytes: int | None = _doc(
         None, "On CPU (no CUDA), the process-memory budget the watermark is measured against. "
         "None (the key left out of a TOML file): host RAM / local world size.", 1)
-    pacing_enabled: bool = field(default=False, metadata={
-        "doc": "Enable the seed's pacing delay (a sleep before each step under pressure). Off "
-               "by default: it trades throughput for memory and is a last resort."})
+    pacing_enabled: bool = _doc(
+        False, "Enable the seed's pacing delay (a sleep before each step under pressure). Off "
+        "by default: it trades throughput for memory and is a last resort.")
     pacing_delay_s: float = _doc(
         0.05, "Pacing delay per step when enabled. Default 50 ms.", 0.0)
     memory_hysteresis_frac: float = _doc(
@@ -241,10 +240,10 @@ class GuardConfig:
         1.0, "A step is also slow when the rank's data wait or compute grew by this many "
         "median steps (and the floor and spread): a straggler's compute grows while its wait "
         "shrinks. 0: off. Default 1.0.", 0.0)
-    slow_step_adaptive_persistence: bool = field(default=True, metadata={
-        "doc": "A run of slow steps must also outlast every streak that ended by itself in the "
-               "window (at most 3 x num_slow_steps), so streaky noise is not named. Default "
-               "on; on a clean box it asks num_slow_steps."})
+    slow_step_adaptive_persistence: bool = _doc(
+        True, "A run of slow steps must also outlast every streak that ended by itself in the "
+        "window (at most 3 x num_slow_steps), so streaky noise is not named. Default on; on a "
+        "clean box it asks num_slow_steps.")
     cache_release_min_frac: float = _doc(
         0.05, "A cache release is decided only when the allocator holds at least this "
         "fraction of the card cached but unallocated (never on CPU). Default 5 %, the "
@@ -256,17 +255,10 @@ class GuardConfig:
     def __post_init__(self) -> None:
         _validate(self)
 
-    # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> GuardConfig:
         """Build from a mapping; unknown keys are rejected with the closest known name."""
-        known = {f.name for f in fields(cls)}
-        for key in data:
-            if key not in known:
-                close = difflib.get_close_matches(str(key), sorted(known), n=1)
-                hint = f"did you mean {close[0]!r}?" if close else \
-                    f"known keys: {', '.join(sorted(known))}"
-                raise ConfigError(f"{source}: {key}", "unknown key", fix=hint)
+        _check_known(data, {f.name for f in fields(cls)}, source)
         try:
             return cls(**dict(data))
         except ConfigError as err:   # name where the value came from, as for unknown keys
@@ -327,6 +319,16 @@ def _validate(config: GuardConfig) -> None:
         if getattr(config, low) > getattr(config, high):
             raise ConfigError(low, f"exceeds {high}", value=getattr(config, low),
                               fix=f"use at most {high}={getattr(config, high)}")
+
+
+def _check_known(data: Mapping[str, Any], known: set[str], source: str) -> None:
+    """A ConfigError for the first key of ``data`` not in ``known``, with the closest name."""
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else \
+                f"known keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"{source}: {key}", "unknown key", fix=hint)
 
 
 def _read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -320,7 +320,7 @@ def test_a_detection_past_the_faults_end_plus_its_bound_does_not_name_it(tmp_pat
 
 def test_the_lateness_bound_ends_at_a_spikes_last_step():
     spike = parse_fault("activation_spike:rank=1,start=40,factor=8,steps=3")
-    assert analysis.fault_last_step(spike) == 42
+    assert spike.last_step == 42
     assert analysis.can_name(spike, 1, 52, late_steps=10)
     assert not analysis.can_name(spike, 1, 53, late_steps=10)
     assert not analysis.can_name(spike, 0, 41, late_steps=10)      # another rank

@@ -89,16 +89,6 @@ def _attempt_order(records: Iterable[Mapping[str, Any]]) -> list[str]:
     return [a for _, a in starts]
 
 
-def fault_last_step(fault: FaultSpec) -> int | None:
-    """The last step ``fault`` is active at: ``stop - 1``; ``start + steps - 1`` for a spike
-    (``steps`` steps); ``start`` for a fault that fires once (crash, hang); None: to the end."""
-    if fault.stop is not None:
-        return fault.stop - 1
-    if "steps" in fault.params:
-        return fault.start + int(fault.params["steps"]) - 1
-    return fault.start if fault.once else None
-
-
 def can_name(fault: FaultSpec, rank: Any, step: int | None, *, late_steps: int,
              cause: str | None = None) -> bool:
     """Whether a detection on ``rank`` of ``cause`` dated ``step`` can name ``fault``: on one of
@@ -109,7 +99,7 @@ def can_name(fault: FaultSpec, rank: Any, step: int | None, *, late_steps: int,
                                    and cause == fault.cause)
     if step is None or not felt or step < fault.start:
         return False
-    last = fault_last_step(fault)
+    last = fault.last_step
     return last is None or step <= last + late_steps
 
 

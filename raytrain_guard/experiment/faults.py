@@ -94,6 +94,17 @@ class FaultSpec:
     def active(self, step: int) -> bool:
         return step >= self.start and (self.stop is None or step < self.stop)
 
+    @property
+    def last_step(self) -> int | None:
+        """The last step it is active at: ``stop - 1``; ``start + steps - 1`` for a spike
+        (``steps`` steps); ``start`` for a fault that fires once (crash, hang); None: to the
+        end."""
+        if self.stop is not None:
+            return self.stop - 1
+        if "steps" in self.params:
+            return self.start + int(self.params["steps"]) - 1
+        return self.start if self.once else None
+
     def on(self, rank: int, node_index: int | None = None) -> bool:
         """Whether it is on ``rank``, placed on the experiment's node ``node_index``."""
         return rank in self.ranks or (self.node is not None and self.node == node_index)

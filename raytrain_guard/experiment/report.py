@@ -250,10 +250,10 @@ def _plot_rank(panels: Sequence[Any], arm: str, rank: int,
 
 
 def _shade_faults(panels: Sequence[Any], faults: Sequence[Any], last_step: int) -> None:
-    """Each fault's steps, ``start`` to its last step (:func:`analysis.fault_last_step`; to
+    """Each fault's steps, ``start`` to its last step (:attr:`FaultSpec.last_step`; to
     ``last_step`` for a fault without end), shaded on every panel and named on the first."""
     for i, f in enumerate(faults):
-        end = analysis.fault_last_step(f)
+        end = f.last_step
         stop = last_step if end is None else end + 1
         label = f"{f.kind} node {f.node}" if f.node is not None else \
             f"{f.kind} rank {'+'.join(map(str, f.ranks))}"

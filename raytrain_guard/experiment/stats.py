@@ -20,11 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_guard.core.stats import median_of_sorted
-from raytrain_guard.experiment.analysis import (
-    DETECTION_DELAY_TARGET_STEPS,
-    dated_step,
-    fault_last_step,
-)
+from raytrain_guard.experiment.analysis import DETECTION_DELAY_TARGET_STEPS, dated_step
 
 #: the interval's confidence, the resamples drawn and the RNG's seed (fixed: a report reproduces)
 CONFIDENCE = 0.95
@@ -95,7 +91,7 @@ def _round(x: float) -> float:
 
 def clean_steps(steps: int, faults: Sequence[Any]) -> int:
     """Steps ``0 .. steps - 1`` of the lineage outside every fault's own steps (its start to
-    :func:`~raytrain_guard.experiment.analysis.fault_last_step`; a fault without an end: to the
+    :attr:`~raytrain_guard.experiment.faults.FaultSpec.last_step`; a fault without an end: to the
     end)."""
     return sum(1 for s in range(steps) if not _in_a_window(s, faults, 0))
 
@@ -119,7 +115,7 @@ def _in_a_window(step: int | None, faults: Sequence[Any], late_steps: int) -> bo
     if step is None:
         return False
     for f in faults:
-        last = fault_last_step(f)
+        last = f.last_step
         if step >= f.start and (last is None or step <= last + late_steps):
             return True
     return False
