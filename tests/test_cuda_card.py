@@ -59,6 +59,12 @@ def test_a_micro_batch_measures_what_it_allocates_beyond_what_was_held():
     assert cuda.resets == 3                          # one reset per micro-batch, nothing else
 
 
+def test_without_a_cap_the_card_is_torch_cudas_device(monkeypatch):
+    # the train loop builds CudaCard(device) on a GPU: the card's size comes from torch.cuda
+    monkeypatch.setattr("raytrain_guard.runtime.guard.cuda_card.torch.cuda", _FakeCuda(total=800))
+    assert CudaCard("cuda:0").capacity_bytes == 800
+
+
 def test_a_capped_run_prices_against_its_cap():
     card = CudaCard("cuda:0", 600, cuda=_FakeCuda(total=1000))
     assert card.capacity_bytes == 600

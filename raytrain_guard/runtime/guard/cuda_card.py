@@ -24,7 +24,7 @@ class CudaCard:
         self._cuda = cuda or torch.cuda      # tests pass a fake one
         self.device = device
         self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None
-                                  else cuda.get_device_properties(device).total_memory)
+                                  else self._cuda.get_device_properties(device).total_memory)
         self.last_activation_bytes = 0
         self._step_peak = 0
 
