@@ -65,37 +65,30 @@ class NodeMetrics:
         self._worker = gauge(WORKER_PRIVATE, "train worker private memory (USS)")
         self._loader = gauge(LOADER_PRIVATE, "its DataLoader workers' private memory")
 
-    def record(self, sample: NodeSample) -> int:
-        """Set every gauge from one sample; returns how many values were set."""
+    def record(self, sample: NodeSample) -> None:
+        """Set every gauge from one sample."""
         node = sample.node_id
-        n = 0
         for g in sample.gpus:
             tags = {"node_id": node, "gpu": str(g.index)}
             for key in GPU_GAUGES:
                 value = getattr(g, key)
                 if value is not None:
                     self._gpu[key].set(float(value), tags=tags)
-                    n += 1
             for reason in ("thermal", "power", "slowdown"):
                 self._throttled.set(float(reason in g.throttle_reasons),
                                     tags={**tags, "reason": reason})
-                n += 1
         self._gpu_ok.set(0.0 if sample.gpu_error else 1.0, tags={"node_id": node})
-        n += 1
         h = sample.host
         if h is not None:
             for key in HOST_GAUGES:
                 value = getattr(h, key)
                 if value is not None:
                     self._host[key].set(float(value), tags={"node_id": node})
-                    n += 1
             for w in h.workers:
                 tags = {"node_id": node, "pid": str(w.pid),
                         "world_rank": "" if w.world_rank is None else str(w.world_rank)}
                 self._worker.set(float(w.private_bytes), tags=tags)
                 self._loader.set(float(w.loader_private_bytes), tags=tags)
-                n += 2
-        return n
 
 
 class CoordinatorMetrics:

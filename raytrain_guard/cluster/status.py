@@ -22,8 +22,6 @@ from raytrain_guard.errors import InputError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NAMESPACE = "raytrain_guard"
-
 #: Ray's GCS connection knobs while ``status`` connects (a value the user set wins): Ray's
 #: defaults retry an address that is not a Ray cluster for over ten minutes; these, about 12 s.
 GCS_CONNECT_ENV = {

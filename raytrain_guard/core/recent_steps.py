@@ -48,11 +48,6 @@ class RecentSteps:
         self._parts.append(parts_of(stats))
         bisect.insort(totals, stats.total_s)
 
-    def median_s(self) -> float | None:
-        """The median total; None under :data:`MIN_MEDIAN_POINTS` steps."""
-        totals = self.sorted_totals
-        return median_of_sorted(totals) if len(totals) >= MIN_MEDIAN_POINTS else None
-
     def most_grown(self, stats: StepStats) -> tuple[Cause, float, list[float]]:
         """(cause, growth in seconds over its median here, the window's values sorted) of the
         part of ``stats`` that grew most; (UNKNOWN, 0, []) when none grew."""

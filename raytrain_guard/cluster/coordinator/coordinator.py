@@ -194,7 +194,6 @@ class Coordinator:
         self._state, measured = self._effects.measure_due(self._ranks, self._nodes, self._state)
         for d in measured:
             self._replace_decision(d)
-            self._metrics.record("record_measured", d, d.measured)
         outcome = decide(view, self._state, self.config, at)
         self._state, self._scores, self._notes = outcome.state, outcome.scores, outcome.notes
         new = [self._issue(d, view) for d in outcome.decisions]

@@ -119,8 +119,8 @@ class RankWindow:
     """One rank's last ``window_len`` steps (as columns), the batches they came in, and its
     ``RankView``, rebuilt per report so that a policy round costs O(ranks)."""
 
-    __slots__ = ("batches", "columns", "last_step", "node_id", "num_steps", "setup", "view",
-                 "window_len", "world_rank")
+    __slots__ = ("batches", "columns", "last_step", "node_id", "setup", "view", "window_len",
+                 "world_rank")
 
     def __init__(self, world_rank: int, node_id: str, window_len: int) -> None:
         self.world_rank = world_rank
@@ -130,7 +130,6 @@ class RankWindow:
         self.setup = RunSetup()
         self.last_step = -1
         self.batches: list[tuple[int, int]] = []   # a short list: no deque block churn
-        self.num_steps = 0
         self.view: RankView | None = None
 
     def add(self, report: StepReport) -> Refusal | None:
@@ -147,7 +146,6 @@ class RankWindow:
             del self.batches[0]
         self.columns = self.columns.then(c, self.window_len)
         self.last_step = last
-        self.num_steps += len(c)
         if report.setup is not None:
             self.setup = report.setup
         self.view = RankView(self.world_rank, self.node_id, self.columns, self.setup)
