@@ -45,8 +45,7 @@ from typing import Any
 import torch
 
 from raytrain_guard.integrations import require
-from raytrain_guard.integrations.trainer_loader import StepClock, fit_loader
-from raytrain_guard.runtime.dropin.worker import current_guard
+from raytrain_guard.integrations.trainer_loader import TrainerHooks
 from raytrain_guard.runtime.guard.comm_timers import attach_comm_timers
 
 _pl = require("lightning.pytorch", "lightning", "raytrain_guard.integrations.lightning")
@@ -56,7 +55,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["GuardCallback", "position_resumed_loader"]
 
 
-class GuardCallback(_pl.Callback):
+class GuardCallback(TrainerHooks, _pl.Callback):
     """The guard's callback for a ``lightning.pytorch.Trainer`` (see the module docstring).
 
     ``fit_loader``: hold the training DataLoader to the host budget (default True).
@@ -64,16 +63,9 @@ class GuardCallback(_pl.Callback):
     """
 
     def __init__(self, *, fit_loader: bool = True, guard: Any = None) -> None:
-        self.fit_loader = fit_loader
-        self._guard = guard
-        self._clock = StepClock()
-        self.loader: Any = None
+        super().__init__(fit_loader=fit_loader, guard=guard)
         self._checkpoint_logged = self._stopped = False
         self._silenced: Any = None       # Ray's callback while its epoch-end save is skipped
-
-    @property
-    def guard(self) -> Any:
-        return self._guard if self._guard is not None else current_guard()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._stopped = False
@@ -87,29 +79,17 @@ class GuardCallback(_pl.Callback):
             guard.guard_optimizer(trainer.optimizers[0])
         guard.start_at(trainer.global_step)
         loader = trainer.train_dataloader
-        if self.fit_loader and loader is not None and not isinstance(loader, (list, dict)):
-            try:
-                self.loader = fit_loader(
-                    loader, batch_size=int(loader.batch_size or 1), config=guard.config,
-                    world_rank=guard.rank, world_size=guard.world_size,
-                    gpus_per_node=max(1, guard.ctx.local_world_size),
-                    pin_memory=bool(loader.pin_memory) and guard.device.type == "cuda")
-            except Exception:
-                logger.warning("rank %s: the DataLoader was not fitted", guard.rank,
-                               exc_info=True)
-            if self.loader is not None:
-                guard.attach_loader(self.loader)
+        self._fit(guard, None if isinstance(loader, (list, dict)) else loader)
         try:
             position_resumed_loader(trainer)
         except Exception:
             logger.warning("rank %s: the resumed loader was not positioned", guard.rank,
                            exc_info=True)
-        self._clock.paused()
+        self._restart_clock()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
-        self._clock.batches_here()
-        self.guard.mark("data")
+        self._batches_here()
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         # Lightning steps the optimizer before the closure runs: its pre-hook cannot end
@@ -118,10 +98,7 @@ class GuardCallback(_pl.Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step_s = self._clock.step_ended()
-        if self.loader is not None:
-            self.loader.record_step(self._clock.wait_s, step_s)
-        guard = self.guard
+        guard = self._step_ended()
         if guard.should_stop():
             if not self._stopped:
                 self._stopped = True
@@ -166,10 +143,6 @@ class GuardCallback(_pl.Callback):
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._paused()
-
-    def _paused(self) -> None:
-        self.guard.note_pause()
-        self._clock.paused()
 
 
 def _skipped_after_stop(trainer: Any, pl_module: Any) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,9 @@ from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError
 from raytrain_guard.planner.batch_inspect import measure_dataset
 from raytrain_guard.planner.dataloader_sizing import host_budget_bytes, size_dataloader
+from raytrain_guard.runtime.data.loader import usable_cpus
 from raytrain_guard.runtime.dropin.loader import lower_to_budget
+from raytrain_guard.runtime.dropin.worker import current_guard
 from raytrain_guard.runtime.host_memory import host_memory
 from raytrain_guard.units import format_bytes
 
@@ -141,7 +142,7 @@ def fit_loader(loader: Any, *, batch_size: int, config: GuardConfig, world_rank:
     total, _ = host_memory()
     fit = fit_settings(num_workers=int(inner.num_workers), prefetch_factor=inner.prefetch_factor,
                        batch_bytes=batch_bytes, host_memory_bytes=total,
-                       gpus_per_node=gpus_per_node, cpus_per_node=_cpu_count(),
+                       gpus_per_node=gpus_per_node, cpus_per_node=usable_cpus(),
                        pin_memory=pin_memory, config=config)
     if fit.lowered:
         logger.warning("rank %d: DataLoader %s", world_rank, fit.lowered[0])
@@ -152,36 +153,65 @@ def fit_loader(loader: Any, *, batch_size: int, config: GuardConfig, world_rank:
     return TrainerLoader(inner, fit, batch_size=batch_size, world_size=world_size)
 
 
-class StepClock:
-    """The data wait of a trainer's steps: from the end of one step (:meth:`step_ended`) to
-    where the trainer starts the next with its batches fetched (:meth:`batches_here`); a pause
-    (a checkpoint, an evaluation) restarts it."""
+class TrainerHooks:
+    """What the Hugging Face and Lightning callbacks share: the worker's guard (``guard``,
+    default ``get_guard()``), the trainer's loader held to the host budget (``fit_loader``,
+    :meth:`_fit`), and each step's data wait: from the end of one step (:meth:`_step_ended`) to
+    where the trainer starts the next with its batches fetched (:meth:`_batches_here`); a pause
+    (a checkpoint, an evaluation: :meth:`_paused`) restarts it."""
 
-    def __init__(self, clock: Any = time.perf_counter) -> None:
-        self._clock = clock
+    def __init__(self, *, fit_loader: bool = True, guard: Any = None) -> None:
+        self.fit_loader = fit_loader
+        self._guard = guard
+        self.loader: TrainerLoader | None = None
         self._ended: float | None = None
         self._began: float | None = None
-        self.wait_s = 0.0
+        self._wait_s = 0.0
 
-    def batches_here(self) -> None:
-        now = self._clock()
+    @property
+    def guard(self) -> Any:
+        return self._guard if self._guard is not None else current_guard()
+
+    def _fit(self, guard: Any, loader: Any, *, batch_size: int | None = None,
+             pin_memory: bool | None = None) -> None:
+        """Hold ``loader`` to the host budget (:func:`fit_loader`; ``batch_size`` and
+        ``pin_memory``: the loader's own when None). It fails open: a loader that cannot be
+        fitted trains with its settings, and a warning says so."""
+        self.loader = None
+        if not self.fit_loader or loader is None:
+            return
+        try:
+            pinned = loader.pin_memory if pin_memory is None else pin_memory
+            self.loader = fit_loader(
+                loader, batch_size=int(batch_size or loader.batch_size or 1),
+                config=guard.config, world_rank=guard.rank, world_size=guard.world_size,
+                gpus_per_node=max(1, guard.ctx.local_world_size),
+                pin_memory=bool(pinned) and guard.device.type == "cuda")
+        except Exception:
+            logger.warning("rank %s: the DataLoader was not fitted; it trains with its own "
+                           "settings", guard.rank, exc_info=True)
+        if self.loader is not None:
+            guard.attach_loader(self.loader)
+
+    def _batches_here(self) -> None:
+        now = time.perf_counter()
         self._began = now
-        self.wait_s = now - self._ended if self._ended is not None else 0.0
+        self._wait_s = now - self._ended if self._ended is not None else 0.0
+        self.guard.mark("data")
 
-    def step_ended(self) -> float:
-        """The step's wall time (its data wait included); 0 when it never began."""
-        now = self._clock()
+    def _step_ended(self) -> Any:
+        """The step's wall time and data wait to the loader's figures; returns the guard."""
+        now = time.perf_counter()
         began = self._began
-        total = (now - began) + self.wait_s if began is not None else 0.0
+        step_s = (now - began) + self._wait_s if began is not None else 0.0
         self._ended, self._began = now, None
-        return total
+        if self.loader is not None:
+            self.loader.record_step(self._wait_s, step_s)
+        return self.guard
 
-    def paused(self) -> None:
-        self._ended = self._clock()
+    def _restart_clock(self) -> None:
+        self._ended = time.perf_counter()
 
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    def _paused(self) -> None:
+        self.guard.note_pause()
+        self._restart_clock()

@@ -32,12 +32,11 @@ from raytrain_guard.cluster.planning import plan_machine
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError, check_int
 from raytrain_guard.integrations import require
-from raytrain_guard.integrations.trainer_loader import StepClock, fit_loader
+from raytrain_guard.integrations.trainer_loader import TrainerHooks
 from raytrain_guard.integrations.wrapped import time_wrapper_communication
 from raytrain_guard.planner.memory_model import TrainingSetup
 from raytrain_guard.planner.plan import plan
 from raytrain_guard.planner.trace import trace_model
-from raytrain_guard.runtime.dropin.worker import current_guard
 
 _transformers = require("transformers", "transformers", "raytrain_guard.integrations.transformers")
 TrainerCallback = _transformers.TrainerCallback
@@ -47,7 +46,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["BatchPlan", "GuardCallback", "plan_batch_size"]
 
 
-class GuardCallback(TrainerCallback):
+class GuardCallback(TrainerHooks, TrainerCallback):
     """The guard's callback for a ``transformers.Trainer`` (see the module docstring).
 
     ``fit_loader``: hold the Trainer's DataLoader to the host budget (default True).
@@ -56,15 +55,8 @@ class GuardCallback(TrainerCallback):
     """
 
     def __init__(self, *, fit_loader: bool = True, guard: Any = None) -> None:
-        self.fit_loader = fit_loader
-        self._guard = guard
-        self._clock = StepClock()
-        self.loader: Any = None
+        super().__init__(fit_loader=fit_loader, guard=guard)
         self._stop_logged = False
-
-    @property
-    def guard(self) -> Any:
-        return self._guard if self._guard is not None else current_guard()
 
     # -- events ----------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -78,25 +70,15 @@ class GuardCallback(TrainerCallback):
         if optimizer is not None:
             guard.guard_optimizer(optimizer)
         guard.start_at(state.global_step)
-        if self.fit_loader and train_dataloader is not None:
-            self.loader = _safe(guard, "loader", lambda: fit_loader(
-                train_dataloader, batch_size=args.per_device_train_batch_size,
-                config=guard.config, world_rank=guard.rank, world_size=guard.world_size,
-                gpus_per_node=max(1, guard.ctx.local_world_size),
-                pin_memory=bool(args.dataloader_pin_memory) and guard.device.type == "cuda"))
-            if self.loader is not None:
-                guard.attach_loader(self.loader)
-        self._clock.paused()
+        self._fit(guard, train_dataloader, batch_size=args.per_device_train_batch_size,
+                  pin_memory=bool(args.dataloader_pin_memory))
+        self._restart_clock()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._clock.batches_here()
-        self.guard.mark("data")
+        self._batches_here()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        step_s = self._clock.step_ended()
-        if self.loader is not None:
-            self.loader.record_step(self._clock.wait_s, step_s)
-        guard = self.guard
+        guard = self._step_ended()
         if guard.should_stop():
             control.should_save = True
             control.should_training_stop = True
@@ -112,20 +94,6 @@ class GuardCallback(TrainerCallback):
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._paused()
-
-    def _paused(self) -> None:
-        self.guard.note_pause()
-        self._clock.paused()
-
-
-def _safe(guard: Any, part: str, fn: Any) -> Any:
-    """``fn()``, or None and a warning when it raised (the guard fails open)."""
-    try:
-        return fn()
-    except Exception:
-        logger.warning("rank %s: guard part %r failed; training goes on without it",
-                       getattr(guard, "rank", "?"), part, exc_info=True)
-        return None
 
 
 # -- the batch plan --------------------------------------------------------------------------------

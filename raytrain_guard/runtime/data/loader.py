@@ -95,7 +95,7 @@ class GuardedDataLoader:
             batch_bytes=self.probe_batch_bytes, figures=self._figures, config=config,
             gpus_per_node=gpus_per_node if gpus_per_node is not None else max(
                 1, ctx.local_world_size),
-            cpus_per_node=cpus_per_node if cpus_per_node is not None else _cpu_count(),
+            cpus_per_node=cpus_per_node if cpus_per_node is not None else usable_cpus(),
             pin_memory=pin_memory, device=self.device,
             list_backed=is_list_backed(dataset, min_items=config.list_dataset_min_items),
             num_workers=num_workers, prefetch_factor=prefetch_factor,
@@ -299,7 +299,8 @@ def _probe_batch(dataset: Any, batch_size: int, collate_fn: Callable[[list], Any
     return measured.signature, max(1, math.ceil(measured.batch_bytes * batch_size / k))
 
 
-def _cpu_count() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), for sizing loader workers."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
