@@ -128,8 +128,9 @@ class GuardConfig:
         "at least every this many steps (at most step_window // 2 - 5). Default 20: they share "
         "the gate's fixed cost. Decisions come at the same steps whatever the value.", 1)
     memory_trend_steps: int = _doc(
-        5, "Recent memory readings the gate fits a line through to predict the memory "
-        "fraction ahead. Default 5: enough to ignore one noisy reading.", 2)
+        5, "Recent memory readings the gate (a rank's, per step) and the coordinator (a "
+        "node's host memory, per sample) fit a line through to predict the memory fraction "
+        "ahead. Default 5: enough to ignore one noisy reading.", 2)
     memory_predict_steps: int = _doc(
         3, "Above the watermark, the gate checkpoints and stops when the trend reaches "
         "memory_critical_frac within this many steps. Default 3; 0: the reading alone "
@@ -201,11 +202,10 @@ class GuardConfig:
         0.90, "Host memory used fraction at which the policy lowers the node's prefetch depth. "
         "Default 0.90: below Ray's memory monitor (0.95).", 0.0, 1.0, lo_open=True)
     host_memory_stop_frac: float = _doc(
-        0.93, "Host memory used fraction of a node at which the policy checkpoints and stops "
-        "every rank. Default 0.93: a stop lands some 2-3 s after the node's sample (a monitor "
-        "interval, a policy round, a lockstep apply step), before Ray's memory monitor kills "
-        "a worker at 0.95 while the node grows by under 1 % of its RAM a second.",
-        0.0, 1.0, lo_open=True)
+        0.93, "A node's host memory used fraction at which the policy checkpoints and stops "
+        "every rank (sooner where its last memory_trend_steps samples reach it before a stop "
+        "decided next round could land). Default 0.93: a stop lands some 2-3 s after the "
+        "sample, before Ray's memory monitor kills a worker at 0.95.", 0.0, 1.0, lo_open=True)
     coordinator_retry_s: float = _doc(
         5.0, "Least time between two lookups of an unreachable coordinator by name. Default "
         "5 s: Ray restarts a killed actor within seconds.", 0.0)

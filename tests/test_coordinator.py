@@ -150,6 +150,28 @@ def test_node_samples_duplicate_out_of_order_new_epoch_and_ageing():
     assert [d["action"] for d in c.decide(next_apply_step=10)] == ["release_cache"]
 
 
+def host_sample(node, seq, time_s, used_frac, *, epoch="e1"):
+    total = 64 * GiB
+    return NodeSample(node, seq, epoch, time_s,
+                      HostSample(total, round((1 - used_frac) * total))).to_dict()
+
+
+def test_a_nodes_host_leak_across_samples_stops_the_run_before_the_line():
+    c = coordinator()
+    for r in (0, 1):
+        c.report_steps(r, "n1", 0, batch(r, 1))          # 1.0 s steps, latest 10
+    # a monitor restart: its readings start over, so 0.30 at t=50 is no part of the line
+    c.report_node(host_sample("n1", 7, 50.0, 0.30, epoch="e0"))
+    c.report_node(host_sample("n1", 1, 100.0, 0.80))
+    c.report_node(host_sample("n1", 2, 101.0, 0.82))
+    assert c.decide(next_apply_step=30) == []           # two readings: no trend yet
+    c.report_node(host_sample("n1", 3, 102.0, 0.84))
+    # 2 % a second; a stop decided next round lands within 1 + 1 + (30 - 10) x 1.0 s = 22 s
+    (d,) = c.decide(next_apply_step=30)
+    assert (d["action"], d["cause"], d["step"]) == ("checkpoint_and_stop", "host_memory", 30)
+    assert d["params"]["rise_per_s"] == pytest.approx(0.02) and "in 4.5 s" in d["reason"]
+
+
 def test_rounds_run_by_themselves_at_the_decision_interval():
     clock = Clock(100.0)
     c = Coordinator("run1", GuardConfig(decision_interval_s=1.0), clock=clock)

@@ -20,7 +20,7 @@ from raytrain_guard.core.node_samples import (
     RunSetup,
     WorkerMemory,
 )
-from raytrain_guard.core.policy import decide, default_apply_step
+from raytrain_guard.core.policy import decide, default_apply_step, host_rise_per_s
 from raytrain_guard.core.steps import StepStats
 from raytrain_guard.core.straggler import score_summaries, summarize
 from raytrain_guard.core.view import ClusterView, PolicyState, RankView
@@ -247,6 +247,50 @@ def test_host_memory_past_the_stop_line_stops_every_rank_naming_the_node():
     v = view(ranks, {"n1": node("n1", available_frac=0.0701)})
     assert [d.action for d in _decide(v).decisions if d.cause is Cause.HOST_MEMORY] == \
         [Action.SET_PREFETCH]
+
+
+@pytest.mark.parametrize("readings,rise", [
+    ([(0, 0.80), (1, 0.82), (2, 0.84)], 0.02),        # a steady leak: slope = last interval
+    ([(0, 0.60), (1, 0.85), (2, 0.85)], 0.0),         # a jump that then holds: no leak
+    ([(0, 0.80), (2, 0.84), (3, 0.86)], 0.02),        # a missed sample: per second, not per sample
+    ([(0, 0.80), (1, 0.84), (2, 0.85)], 0.01),        # slowing: the last interval's 0.01 < 0.025
+    ([(0, 0.84), (1, 0.82), (2, 0.80)], -0.02),       # falling
+    ([(0, 0.80), (1, 0.84)], 0.0),                    # two readings: no trend yet
+])
+def test_a_nodes_host_memory_rise_per_second(readings, rise):
+    assert host_rise_per_s(readings) == pytest.approx(rise)
+
+
+def _leaking_node_view(readings, *, total=1.0, available_frac=None):
+    frac = readings[-1][1]
+    ranks = {r: rank(r, "n0" if r < 2 else "n1", total=total) for r in range(4)}
+    nodes = {"n0": node("n0"), "n1": node("n1", available_frac=available_frac or 1 - frac)}
+    return ClusterView(ranks, nodes, host_readings={"n1": readings, "n0": [(0, 0.5)] * 3})
+
+
+def test_a_host_leak_is_stopped_on_its_trend_before_the_line():
+    # n1 at 84 %, rising 2 % a second. A stop decided at the next round lands within a
+    # monitor interval (1 s) + a decision interval (1 s) + steps 40 -> 60 at 1.0 s = 22 s:
+    # on the line 84 % + 0.44 is past the stop line 93 %, which it reaches in 4.5 s: stop now
+    out = _decide(_leaking_node_view([(0, 0.80), (1, 0.82), (2, 0.84)]))
+    (d,) = out.decisions
+    assert (d.action, d.cause, d.step) == (Action.CHECKPOINT_AND_STOP, Cause.HOST_MEMORY, 60)
+    assert dict(d.params) == {"node_id": "n1", "rise_per_s": 0.02, "memory_frac": 0.84}
+    assert d.reason == ("checkpoint and stop: node n1 at 84% of host memory, rising 2.0% of it "
+                        "a second: on that line it reaches the stop line 93% in 4.5 s, before "
+                        "a stop decided at the next round could land (in about 22.0 s) (Ray's "
+                        "memory monitor kills a worker at 95%, the kernel at 100%)")
+    assert out.state.stop_step == 60
+
+
+def test_host_memory_that_jumped_and_holds_or_rises_slowly_is_not_stopped():
+    # a loader's buffers taken at once, then flat: no leak, and under the watermark: nothing
+    assert _decide(_leaking_node_view([(0, 0.60), (1, 0.85), (2, 0.85)])).decisions == ()
+    # 0.5 % a second at 90 % with 50 ms steps: 2 s + 20 x 0.05 s = 3 s ahead is 91.5 %, under
+    # the stop line: the watermark's prefetch rule acts instead
+    out = _decide(_leaking_node_view([(0, 0.89), (1, 0.895), (2, 0.9)], total=0.05,
+                                     available_frac=0.0999))
+    assert [d.action for d in out.decisions] == [Action.SET_PREFETCH]
 
 
 def test_host_pressure_without_loader_workers_lowers_nothing():

@@ -11,13 +11,15 @@ memory, stragglers, pacing; docs/coordination.md ("The coordinator's policy").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.core.decisions import Action, Cause, Decision
 from raytrain_guard.core.device_memory import device_memory
 from raytrain_guard.core.effects import prefetch_effect
+from raytrain_guard.core.recent_steps import MIN_MEDIAN_POINTS
+from raytrain_guard.core.stats import median_of_sorted, slope
 from raytrain_guard.core.straggler import (
     Slowdown,
     StragglerScore,
@@ -82,23 +84,36 @@ def decide(view: ClusterView, state: PolicyState, config: GuardConfig,
 # -- host memory -------------------------------------------------------------------------------
 
 def _host_memory(r: Round, state: PolicyState) -> PolicyState:
-    """Checkpoint and stop every rank when a node reaches ``host_memory_stop_frac`` (before
-    Ray's memory monitor or the kernel kills a worker there); else lower the prefetch factor
-    of a node past ``host_memory_watermark_frac``, priced from its ranks' loader figures when
-    every rank reports them, where its ranks have loader workers to lower."""
+    """Checkpoint and stop every rank when a node reaches ``host_memory_stop_frac``, or when
+    on the line through its last readings it reaches it before a stop decided at the next
+    round could land (before Ray's memory monitor or the kernel kills a worker there); else
+    lower the prefetch factor of a node past ``host_memory_watermark_frac``, priced from its
+    ranks' loader figures when every rank reports them, where its ranks have loader workers
+    to lower."""
     config, steps = r.config, dict(state.prefetch_steps)
+    line = config.host_memory_stop_frac
+    horizon_s = _next_stop_lands_in_s(r)
     for node_id in sorted(r.view.nodes):
         host = r.view.nodes[node_id].host
-        if host is not None and host.memory_used_frac >= config.host_memory_stop_frac:
-            short = short_node_id(node_id)
-            r.decisions.append(Decision(
-                Action.CHECKPOINT_AND_STOP,
-                f"checkpoint and stop: node {short} at {host.memory_used_frac:.0%} of host "
-                f"memory, past the stop line {config.host_memory_stop_frac:.0%} (Ray's "
-                f"memory monitor kills a worker at 95%, the kernel at 100%)",
-                r.at, Cause.HOST_MEMORY, "cluster",
-                {"node_id": node_id, "memory_frac": round(host.memory_used_frac, 4)}))
-            return dataclasses.replace(state, stop_step=r.at)
+        if host is None:
+            continue
+        frac, params = host.memory_used_frac, {"node_id": node_id}
+        rise = host_rise_per_s(r.view.host_readings.get(node_id, ()))
+        if frac >= line:
+            why = f"past the stop line {line:.0%}"
+        elif rise > 0 and frac + rise * horizon_s >= line:
+            why = (f"rising {rise:.1%} of it a second: on that line it reaches the stop line "
+                   f"{line:.0%} in {(line - frac) / rise:.1f} s, before a stop decided at the "
+                   f"next round could land (in about {horizon_s:.1f} s)")
+            params["rise_per_s"] = round(rise, 5)
+        else:
+            continue
+        r.decisions.append(Decision(
+            Action.CHECKPOINT_AND_STOP,
+            f"checkpoint and stop: node {short_node_id(node_id)} at {frac:.0%} of host memory, "
+            f"{why} (Ray's memory monitor kills a worker at 95%, the kernel at 100%)",
+            r.at, Cause.HOST_MEMORY, "cluster", {**params, "memory_frac": round(frac, 4)}))
+        return dataclasses.replace(state, stop_step=r.at)
     for node_id in sorted(r.view.nodes):
         host = r.view.nodes[node_id].host
         if host is None or host.memory_used_frac < config.host_memory_watermark_frac \
@@ -144,6 +159,32 @@ def _host_memory(r: Round, state: PolicyState) -> PolicyState:
                                     predicted=predicted))
         steps[node_id] = r.at
     return dataclasses.replace(state, prefetch_steps=steps)
+
+
+def host_rise_per_s(readings: Sequence[tuple[float, float]]) -> float:
+    """A node's host memory rise per second from its last ``(time_s, used fraction)``
+    readings: the least-squares slope, and never steeper than the last interval's rise (a
+    one-off jump that then holds is no leak); 0 under :data:`MIN_MEDIAN_POINTS` readings.
+
+    Example: ``[(0, 0.80), (1, 0.82), (2, 0.84)]`` -> slope 0.02, last interval 0.02 -> 0.02;
+    ``[(0, 0.60), (1, 0.85), (2, 0.85)]`` -> slope 0.125, last interval 0 -> 0.
+    """
+    if len(readings) < MIN_MEDIAN_POINTS:
+        return 0.0
+    (t0, f0), (t1, f1) = readings[-2], readings[-1]
+    last = (f1 - f0) / (t1 - t0) if t1 > t0 else 0.0
+    return min(slope(readings), last)
+
+
+def _next_stop_lands_in_s(r: Round) -> float:
+    """How long after a node's sample a stop decided at the next round lands, at most: a
+    monitor interval (the sample's age), a decision interval, and the steps from the latest
+    reported to this round's apply step at the ranks' median step time."""
+    config = r.config
+    steps = max(0, r.at - r.latest) if r.latest is not None else 0
+    totals = sorted(v.timing.total_s for v in r.view.ranks.values() if v.timing.total_s > 0)
+    step_s = median_of_sorted(totals) if totals else 0.0
+    return config.monitor_interval_s + config.decision_interval_s + steps * step_s
 
 
 # -- pacing ------------------------------------------------------------------------------------

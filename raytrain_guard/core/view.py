@@ -62,6 +62,8 @@ class ClusterView:
     ranks: Mapping[int, RankView] = field(default_factory=dict)
     nodes: Mapping[str, NodeSample] = field(default_factory=dict)
     plan: RunPlan | None = None        # the memory model's inputs; None: actions unpriced
+    #: node id -> its monitor's last host readings, (time_s, used fraction), oldest first
+    host_readings: Mapping[str, Sequence[tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def latest_step(self) -> int | None:

@@ -75,7 +75,7 @@ class Coordinator:
         self._apply_step_rule = apply_step_rule
         self._clock = clock
         self._ranks: dict[int, RankWindow] = {}
-        self._nodes = NodeSamples()
+        self._nodes = NodeSamples(config.memory_trend_steps)
         self._state = PolicyState()
         self._scores: Mapping[int, StragglerScore] = {}
         self._notes: tuple[str, ...] = ()
@@ -253,7 +253,8 @@ class Coordinator:
         max_age = self.config.node_sample_max_age_intervals * self.config.monitor_interval_s
         nodes = self._nodes.fresh(self._clock(), max_age)
         ranks = {r: e.view for r, e in self._ranks.items() if e.view is not None}
-        return ClusterView(ranks, nodes, self._plan)
+        readings = {n: tuple(self._nodes.host_readings[n]) for n in nodes}
+        return ClusterView(ranks, nodes, self._plan, readings)
 
     def _replace_decision(self, d: Decision) -> None:
         for i, old in enumerate(self._decisions):

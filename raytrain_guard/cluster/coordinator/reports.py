@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from array import array
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import add, lt
@@ -153,12 +154,16 @@ class RankWindow:
 
 
 class NodeSamples:
-    """The newest sample of each node with when it arrived (``latest``); a monitor's samples
-    carry its epoch (new after a restart) and a sequence number."""
+    """The newest sample of each node with when it arrived (``latest``), and its monitor's last
+    ``readings_kept`` host readings (``host_readings``: time, used fraction); a monitor's
+    samples carry its epoch (new after a restart: its readings start over) and a sequence
+    number."""
 
-    def __init__(self) -> None:
+    def __init__(self, readings_kept: int = 5) -> None:
         self.latest: dict[str, tuple[NodeSample, float]] = {}   # node -> (sample, received at)
         self._seq: dict[str, tuple[str, int]] = {}              # node -> (epoch, last seq)
+        self.host_readings: dict[str, deque[tuple[float, float]]] = {}
+        self._readings_kept = readings_kept
 
     def add(self, sample: NodeSample, now: float) -> Refusal | None:
         """Keep ``sample``, or say why not (a duplicate, or older than the last)."""
@@ -168,6 +173,11 @@ class NodeSamples:
                 return "duplicate", f"node {sample.node_id} sample {sample.seq} again"
             if sample.seq < last[1]:
                 return "out_of_order", f"node {sample.node_id} sample {sample.seq} after {last[1]}"
+        if last is None or last[0] != sample.monitor_epoch:
+            self.host_readings[sample.node_id] = deque(maxlen=self._readings_kept)
+        if sample.host is not None:
+            self.host_readings[sample.node_id].append((sample.time_s,
+                                                       sample.host.memory_used_frac))
         self._seq[sample.node_id] = (sample.monitor_epoch, sample.seq)
         self.latest[sample.node_id] = (sample, now)
         return None
