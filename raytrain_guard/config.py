@@ -203,7 +203,7 @@ class GuardConfig:
         "Default 0.90: below Ray's memory monitor (0.95).", 0.0, 1.0, lo_open=True)
     host_memory_stop_frac: float = _doc(
         0.93, "A node's host memory used fraction at which the policy checkpoints and stops "
-        "every rank (sooner where its last memory_trend_steps samples reach it before a stop "
+        "every rank (sooner past the watermark where its last samples reach it before a stop "
         "decided next round could land). Default 0.93: a stop lands some 2-3 s after the "
         "sample, before Ray's memory monitor kills a worker at 0.95.", 0.0, 1.0, lo_open=True)
     coordinator_retry_s: float = _doc(

@@ -162,14 +162,15 @@ def test_a_nodes_host_leak_across_samples_stops_the_run_before_the_line():
         c.report_steps(r, "n1", 0, batch(r, 1))          # 1.0 s steps, latest 10
     # a monitor restart: its readings start over, so 0.30 at t=50 is no part of the line
     c.report_node(host_sample("n1", 7, 50.0, 0.30, epoch="e0"))
-    c.report_node(host_sample("n1", 1, 100.0, 0.80))
-    c.report_node(host_sample("n1", 2, 101.0, 0.82))
+    c.report_node(host_sample("n1", 1, 100.0, 0.88))
+    c.report_node(host_sample("n1", 2, 101.0, 0.90))
     assert c.decide(next_apply_step=30) == []           # two readings: no trend yet
-    c.report_node(host_sample("n1", 3, 102.0, 0.84))
-    # 2 % a second; a stop decided next round lands within 1 + 1 + (30 - 10) x 1.0 s = 22 s
+    c.report_node(host_sample("n1", 3, 102.0, 0.92))
+    # 2 % a second past the watermark; a stop decided next round lands within 1 + 1 +
+    # (30 - 10) x 1.0 s = 22 s, and 93 % is 0.5 s away
     (d,) = c.decide(next_apply_step=30)
     assert (d["action"], d["cause"], d["step"]) == ("checkpoint_and_stop", "host_memory", 30)
-    assert d["params"]["rise_per_s"] == pytest.approx(0.02) and "in 4.5 s" in d["reason"]
+    assert d["params"]["rise_per_s"] == pytest.approx(0.02) and "in 0.5 s" in d["reason"]
 
 
 def test_rounds_run_by_themselves_at_the_decision_interval():

@@ -84,12 +84,13 @@ def decide(view: ClusterView, state: PolicyState, config: GuardConfig,
 # -- host memory -------------------------------------------------------------------------------
 
 def _host_memory(r: Round, state: PolicyState) -> PolicyState:
-    """Checkpoint and stop every rank when a node reaches ``host_memory_stop_frac``, or when
-    on the line through its last readings it reaches it before a stop decided at the next
-    round could land (before Ray's memory monitor or the kernel kills a worker there); else
-    lower the prefetch factor of a node past ``host_memory_watermark_frac``, priced from its
-    ranks' loader figures when every rank reports them, where its ranks have loader workers
-    to lower."""
+    """Checkpoint and stop every rank when a node reaches ``host_memory_stop_frac``, or when,
+    past ``host_memory_watermark_frac``, the line through its last readings reaches it before a
+    stop decided at the next round could land (before Ray's memory monitor or the kernel kills
+    a worker there); else lower the prefetch factor of a node past the watermark, priced from
+    its ranks' loader figures when every rank reports them, where its ranks have loader
+    workers to lower. Below the watermark a fast rise is not read as a leak: a loader or a
+    model filling the node's memory rises as fast and then holds."""
     config, steps = r.config, dict(state.prefetch_steps)
     line = config.host_memory_stop_frac
     horizon_s = _next_stop_lands_in_s(r)
@@ -101,7 +102,7 @@ def _host_memory(r: Round, state: PolicyState) -> PolicyState:
         rise = host_rise_per_s(r.view.host_readings.get(node_id, ()))
         if frac >= line:
             why = f"past the stop line {line:.0%}"
-        elif rise > 0 and frac + rise * horizon_s >= line:
+        elif frac >= config.host_memory_watermark_frac and frac + rise * horizon_s >= line:
             why = (f"rising {rise:.1%} of it a second: on that line it reaches the stop line "
                    f"{line:.0%} in {(line - frac) / rise:.1f} s, before a stop decided at the "
                    f"next round could land (in about {horizon_s:.1f} s)")
