@@ -1,7 +1,7 @@
 """The Lightning integration: a real ``lightning.pytorch.Trainer`` with Ray's
-``RayDDPStrategy``, ``RayLightningEnvironment``, ``prepare_trainer`` and
-``RayTrainReportCallback`` and the guard's ``GuardCallback``, in
-``raytrain_guard.train.TorchTrainer`` on 2 gloo workers.
+``RayDDPStrategy`` or ``RayFSDPStrategy`` (FSDP1 on CPU: tests/fsdp1_cpu.py),
+``RayLightningEnvironment``, ``prepare_trainer`` and ``RayTrainReportCallback`` and the guard's
+``GuardCallback``, in ``raytrain_guard.train.TorchTrainer`` on 2 gloo workers.
 
 One stopped run and its resume:
 
@@ -31,6 +31,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("lightning")
+
+import fsdp1_cpu
+from fsdp1_cpu import allow_fsdp1_on_cpu
 
 from examples import lightning_trainer
 from examples.lightning_trainer import Regressor, build_trainer, fit, make_loader
@@ -99,7 +102,7 @@ def slowed_train_func(config):
     def slow(module, args, output):
         time.sleep(2 * (time.perf_counter() - started["t"]))
 
-    trainer = build_trainer(config)
+    trainer = build_trainer(config) if config["strategy"] == "ddp" else fsdp_trainer(config)
     trainer.callbacks.append(Record())
     if config.get("checkpoint_at"):
         # a ``checkpoint`` decision applying at that step on every rank, as the boundary's
@@ -119,6 +122,27 @@ def slowed_train_func(config):
             json.dump({"ids": {str(e): ids for e, ids in seen.items()},
                        "global_step": trainer.global_step,
                        "stopped_at": get_guard().stopped_at}, f)
+
+
+def fsdp_trainer(config):
+    """examples/lightning_trainer.py's Trainer with Ray's RayFSDPStrategy instead of DDP."""
+    import lightning.pytorch as pl
+    from ray.train.lightning import (
+        RayFSDPStrategy,
+        RayLightningEnvironment,
+        RayTrainReportCallback,
+        prepare_trainer,
+    )
+
+    from raytrain_guard.integrations.lightning import GuardCallback
+
+    allow_fsdp1_on_cpu()
+    trainer = pl.Trainer(
+        max_epochs=config["max_epochs"], accelerator="cpu", devices="auto",
+        strategy=RayFSDPStrategy(state_dict_type="sharded"), plugins=[RayLightningEnvironment()],
+        callbacks=[RayTrainReportCallback(), GuardCallback()], enable_progress_bar=False,
+        enable_checkpointing=False, logger=False)
+    return prepare_trainer(trainer)
 
 
 class StopFromDriver(threading.Thread):
@@ -154,17 +178,19 @@ def _trainer(config, storage):
                         guard={"namespace": RAY_NAMESPACE, "decision_interval_s": 1e9})
 
 
-def test_lightning_is_guarded_stopped_and_resumed(ray_instance):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lightning_is_guarded_stopped_and_resumed(ray_instance, strategy):
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(lightning_trainer)
+    cloudpickle.register_pickle_by_value(fsdp1_cpu)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     storage = tempfile.mkdtemp(prefix="rtg-lightning-test-")
     records = os.path.join(storage, "records")
     os.makedirs(records)
     # compute grows with the batch, the allreduce with the parameters: a 3x forward shows
     config = {"max_epochs": EPOCHS, "batch_size": BATCH, "samples": SAMPLES, "hidden": 1024,
-              "record_dir": records}
+              "record_dir": records, "strategy": strategy}
 
     start = time.perf_counter()
     trainer = _trainer({**config, "attempt": 1, "slow": True, "checkpoint_at": CHECKPOINT_AT,

@@ -31,8 +31,9 @@ with Ray's ``RayDDPStrategy``, ``RayLightningEnvironment`` and ``prepare_trainer
   ``ModelCheckpoint`` triggers are steps, epochs or times fixed in advance), so without Ray's
   callback the decision (and the stop's checkpoint) is logged once and not honoured.
 
-``RayFSDPStrategy`` is Lightning's FSDP1, which needs an accelerator (torch raises "FSDP needs
-a non-CPU accelerator device" on gloo/CPU): not checked here. More: docs/integrations.md.
+Under ``RayFSDPStrategy`` (Lightning's FSDP1) the contract is the same; FSDP1's gradient
+reduction is timed through its communication hook (on the host clock: gloo). More:
+docs/integrations.md.
 """
 
 from __future__ import annotations

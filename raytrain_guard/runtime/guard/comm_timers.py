@@ -2,7 +2,8 @@
 :class:`~raytrain_guard.runtime.guard.timing.StepTimer` (``StepStats.comm_wait_s``).
 
 :func:`attach_comm_timer` wraps DDP's communication hook; :func:`attach_fsdp_comm_timer` wraps
-FSDP2's collectives; :func:`attach_comm_timers` picks the one a wrapped model needs. What the
+FSDP2's collectives; :func:`attach_fsdp1_comm_timer` FSDP1's gradient reduction (Lightning's
+``RayFSDPStrategy``); :func:`attach_comm_timers` picks the one a wrapped model needs. What the
 figure means: docs/train_loop.md, "Step timings".
 """
 
@@ -12,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_guard.errors import InputError
@@ -31,6 +33,8 @@ def attach_comm_timers(module: Any, timer: StepTimer, *, world_rank: int,
             attach_comm_timer(module, timer, hook=hook)
         elif hasattr(module, "set_custom_reduce_scatter"):          # FSDP2's root module
             attach_fsdp_comm_timer(module, timer, before_reduce_scatter=before_reduce_scatter)
+        elif isinstance(module, FullyShardedDataParallel):          # FSDP1
+            attach_fsdp1_comm_timer(module, timer)
     except Exception:  # fail open
         logger.warning("rank %d: communication timer not attached", world_rank, exc_info=True)
 
@@ -115,6 +119,34 @@ def attach_fsdp_comm_timer(module: Any, timer: StepTimer, *,
         except ValueError as exc:
             logger.warning("FSDP2 unit %s not timed: %s", type(unit).__name__, exc)
     return timed
+
+
+def attach_fsdp1_comm_timer(module: Any, timer: StepTimer) -> bool:
+    """Time FSDP1's gradient reduction into ``timer`` through its communication hook (one for
+    every unit, registered on the root before its first forward): PyTorch's default hook, a
+    reduce-scatter (an all-reduce under ``NO_SHARD``) with the default pre- and post-division,
+    run to completion; its blocked time on the host clock is communication wait. Returns
+    whether it was attached: on CUDA the hook's collectives run on a side stream, which the
+    host clock does not see, so FSDP1 is left untimed there (a log line says so); its
+    all-gathers are not timed."""
+    if not timer.on_host:
+        logger.info("FSDP1 communication not timed on CUDA: its waits read 0")
+        return False
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    if module.sharding_strategy is ShardingStrategy.NO_SHARD:
+        def timed(state: Any, grad: Any) -> None:
+            start = timer.now()
+            default_hooks.allreduce_hook(state, grad)
+            _fail_open(timer.record_collective, start, timer.now())
+    else:
+        def timed(state: Any, grad: Any, output: Any) -> None:  # type: ignore[misc]
+            start = timer.now()
+            default_hooks.reduce_scatter_hook(state, grad, output)
+            _fail_open(timer.record_collective, start, timer.now())
+
+    module.register_comm_hook(default_hooks.DefaultState(module.process_group), timed)
+    return True
 
 
 class _TimedAllGather:
