@@ -89,7 +89,6 @@ class GuardedBatches:
         self.batch_bytes = 0
         self.lowered: list[str] = []
         self.history: list[dict[str, Any]] = []     # per epoch: depth, wait fraction
-        self._given = given is not None
         self._cap: int | None = None
         self._raised: tuple[int, float] | None = None   # (depth, wait) before the last raise
         self._raises_pay = True                          # False once a raise did not
