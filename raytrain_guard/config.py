@@ -395,7 +395,6 @@ def _guard_section(data: dict[str, Any], source: str) -> dict[str, Any]:
 
 def _range_fix(name: str, lo, hi, lo_open) -> str:
     if lo is not None and hi is not None:
-        left = "(" if lo_open else "["
-        return f"choose {name} in {left}{lo}, {hi}]"
+        return f"choose {name} in {'(' if lo_open else '['}{lo}, {hi}]"
     return f"choose {name} {'>' if lo_open else '>='} {lo}"
 
