@@ -10,6 +10,9 @@ trainers' default, is sized by the planner's rule
 ``num_workers`` and ``prefetch_factor`` when an iterator starts, so setting them on the loader
 before the epoch begins takes effect; a trainer that already iterates keeps its settings until
 its next epoch.
+
+:class:`TrainerHooks` is what the Hugging Face and Lightning callbacks share around it: the
+worker's guard, the fit of the trainer's loader and each step's data wait.
 """
 
 from __future__ import annotations
