@@ -18,16 +18,13 @@ worker's guard, the fit of the trainer's loader and each step's data wait.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from raytrain_guard.config import GuardConfig
-from raytrain_guard.errors import InputError
-from raytrain_guard.planner.batch_inspect import measure_dataset
 from raytrain_guard.planner.dataloader_sizing import host_budget_bytes, size_dataloader
-from raytrain_guard.runtime.data.loader import usable_cpus
+from raytrain_guard.runtime.data.loader import probe_batch, usable_cpus
 from raytrain_guard.runtime.dropin.loader import lower_to_budget
 from raytrain_guard.runtime.dropin.worker import current_guard
 from raytrain_guard.runtime.host_memory import host_memory
@@ -137,11 +134,8 @@ def fit_loader(loader: Any, *, batch_size: int, config: GuardConfig, world_rank:
         logger.info("rank %d: the trainer's loader is not a map-style torch DataLoader: its "
                     "settings are left as they are", world_rank)
         return None
-    k = max(1, min(config.loader_probe_samples, batch_size, len(inner.dataset)))
-    measured = measure_dataset(inner.dataset, num_samples=k, collate=inner.collate_fn,
-                               config=config, field="train_dataset", error=InputError,
-                               require_bytes=False)
-    batch_bytes = max(1, math.ceil(measured.batch_bytes * batch_size / k))
+    _, batch_bytes = probe_batch(inner.dataset, batch_size, inner.collate_fn, config,
+                                 field="train_dataset")
     total, _ = host_memory()
     fit = fit_settings(num_workers=int(inner.num_workers), prefetch_factor=inner.prefetch_factor,
                        batch_bytes=batch_bytes, host_memory_bytes=total,

@@ -88,7 +88,7 @@ class GuardedDataLoader:
                                         and torch.cuda.is_available())
 
         # Measure a real batch and check the samples agree, before any worker exists.
-        probe_signature, self.probe_batch_bytes = _probe_batch(dataset, batch_size, collate_fn,
+        probe_signature, self.probe_batch_bytes = probe_batch(dataset, batch_size, collate_fn,
                                                                config)
         self._figures = DataWaitFigures()
         self._sizing = LoaderSizing(
@@ -290,12 +290,13 @@ def _dataset_len(dataset: Any) -> int:
     return n
 
 
-def _probe_batch(dataset: Any, batch_size: int, collate_fn: Callable[[list], Any] | None,
-                 config: GuardConfig) -> tuple[Any, int]:
-    """Collate dataset[0..k-1] here: (signature, bytes scaled to one full batch)."""
-    k = min(config.loader_probe_samples, batch_size, len(dataset))
+def probe_batch(dataset: Any, batch_size: int, collate_fn: Callable[[list], Any] | None,
+                config: GuardConfig, *, field: str = "dataset") -> tuple[Any, int]:
+    """Collate dataset[0..k-1] here: (signature, bytes scaled to one full batch). ``field``
+    names the dataset in an error."""
+    k = max(1, min(config.loader_probe_samples, batch_size, len(dataset)))
     measured = measure_dataset(dataset, num_samples=k, collate=collate_fn, config=config,
-                               field="dataset", error=InputError, require_bytes=False)
+                               field=field, error=InputError, require_bytes=False)
     return measured.signature, max(1, math.ceil(measured.batch_bytes * batch_size / k))
 
 

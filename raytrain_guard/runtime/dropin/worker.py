@@ -154,12 +154,8 @@ class WorkerGuard:
             auto_transfer=auto_transfer)
         self.loaders.append(new)
         if self.loader is None:           # the first loader is the training loader: it opens
-            self.loader = new             # the steps and times their data wait
-            self._actions.loader = new
-            self.step_guard.attach_loader(new)
-            if self.metrics is not None:
-                self._safe("metrics", self.metrics.record_loader, new.plan.num_workers,
-                           new.plan.prefetch_factor)
+            self.step_guard.attach_loader(new)        # the steps and times their data wait
+            self.attach_loader(new)
         return new
 
     def prepare_optimizer(self, optimizer: Any) -> Any:
