@@ -99,7 +99,8 @@ class GuardCallback(TrainerHooks, _pl.Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        guard = self._step_ended()
+        self._step_ended()
+        guard = self.guard
         if guard.should_stop():
             if not self._stopped:
                 self._stopped = True

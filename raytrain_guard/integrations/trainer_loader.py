@@ -196,15 +196,14 @@ class TrainerHooks:
         self._wait_s = now - self._ended if self._ended is not None else 0.0
         self.guard.mark("data")
 
-    def _step_ended(self) -> Any:
-        """The step's wall time and data wait to the loader's figures; returns the guard."""
+    def _step_ended(self) -> None:
+        """The step's wall time and data wait to the loader's figures."""
         now = time.perf_counter()
         began = self._began
         step_s = (now - began) + self._wait_s if began is not None else 0.0
         self._ended, self._began = now, None
         if self.loader is not None:
             self.loader.record_step(self._wait_s, step_s)
-        return self.guard
 
     def _restart_clock(self) -> None:
         self._ended = time.perf_counter()

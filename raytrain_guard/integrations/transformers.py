@@ -78,7 +78,8 @@ class GuardCallback(TrainerHooks, TrainerCallback):
         self._batches_here()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        guard = self._step_ended()
+        self._step_ended()
+        guard = self.guard
         if guard.should_stop():
             control.should_save = True
             control.should_training_stop = True
