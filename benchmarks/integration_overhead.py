@@ -26,7 +26,11 @@ worker group, the guard's actors, the allreduce curve ``prepare_model`` measures
 of the last step (Ray Data: the batches of every epoch after the first, each epoch from its
 first batch on, so the streaming split's start is left out), the mean of the ranks. Printed: each
 pair's arm/off ratio per example, and per example the median ratio with its range; the box's
-load average at each run's start. The goal is ``on`` at most 2 % slower (ratio >= 0.98).
+load average at each run's start, and per example the median ratio with its range and its 95 %
+bootstrap interval (:func:`raytrain_guard.experiment.stats.bootstrap_median`, over the pairs).
+The goal is ``on`` at most 2 % slower (ratio >= 0.98); ``--device-ms MS`` gives all three
+examples GPU-like steps of MS (100: the GPU step the guard's host budget is set against,
+docs/benchmarks.md, "Guard overhead").
 At the defaults, 18 runs: 8 minutes on the 2-core VM at a load of 2-5 (16 under a load of 7-39),
 most of it Ray Train's start of each run (docs/benchmarks.md, "Integrations: the guard's
 overhead").
@@ -54,6 +58,7 @@ from ray.train import RunConfig, ScalingConfig
 
 from examples import hf_trainer, lightning_trainer
 from examples import ray_data as ray_data_example
+from raytrain_guard.experiment.stats import bootstrap_median
 
 EXAMPLES = ("hf", "lightning", "ray_data")
 IDLE_GUARD = {"report_every_steps": 10**6, "monitor_interval_s": 60.0, "decision_interval_s": 60.0}
@@ -237,8 +242,13 @@ def main() -> int:
     parser.add_argument("--ray-data-device-ms", type=float, default=0.0,
                         help="GPU-like Ray Data steps, as --lightning-device-ms (the wait hangs "
                         "on the first layer); 0: the CPU-bound steps")
+    parser.add_argument("--device-ms", type=float, default=None,
+                        help="GPU-like steps of this many ms in all three examples (sets "
+                        "--hf-device-ms, --lightning-device-ms and --ray-data-device-ms)")
     parser.add_argument("--out", default=None, help="folder for the runs' JSON")
     args = parser.parse_args()
+    if args.device_ms is not None:
+        args.hf_device_ms = args.lightning_device_ms = args.ray_data_device_ms = args.device_ms
 
     for module in (hf_trainer, lightning_trainer, ray_data_example, sys.modules[__name__]):
         cloudpickle.register_pickle_by_value(module)
@@ -267,15 +277,17 @@ def main() -> int:
         json.dump(runs, f, indent=1)
     print(f"\n{len(runs)} runs in {time.perf_counter() - begun:.0f} s; runs in {out}")
     print(f"\n| example | arm / off | {' | '.join(f'pair {p}' for p in range(args.pairs))} "
-          "| median | range |")
-    print("|---|---|" + "---|" * (args.pairs + 2))
+          "| median | range | 95 % interval |")
+    print("|---|---|" + "---|" * (args.pairs + 3))
     for example in args.only:
         rate = {(r["arm"], r["pair"]): r["steps_per_s"] for r in runs if r["example"] == example}
         for arm in args.arms[1:]:
             ratios = [rate[arm, p] / rate[args.arms[0], p] for p in range(args.pairs)]
             cells = " | ".join(f"{r:.3f}" for r in ratios)
+            interval = bootstrap_median(ratios)
             print(f"| {example} | {arm} / {args.arms[0]} | {cells} | "
-                  f"**{statistics.median(ratios):.3f}** | {min(ratios):.3f}-{max(ratios):.3f} |")
+                  f"**{interval.median:.3f}** | {min(ratios):.3f}-{max(ratios):.3f} | "
+                  f"[{interval.low:.3f}, {interval.high:.3f}] |")
     return 0
 
 
