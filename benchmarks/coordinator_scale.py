@@ -125,7 +125,10 @@ def main(argv=None) -> int:
 
     timed = run(args.ranks, args.ranks_per_node, args.seconds, trace=False)
     warm = slice(5, None)                  # the first windows are still filling
-    ms = (lambda key, p: 1e3 * q(timed[key][warm], p))
+
+    def ms(key: str, p: float) -> float:
+        return 1e3 * q(timed[key][warm], p)
+
     print(f"coordinator_scale: {args.ranks} ranks, {args.ranks_per_node} per node, "
           f"{args.seconds} simulated seconds, one report (batch of 10 step rows) per rank "
           f"per second; python {sys.version.split()[0]}")

@@ -37,8 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raytrain_guard.experiment.faults import parse_fault
 from raytrain_guard.experiment.analysis import fault_outcomes, match_detections
+from raytrain_guard.experiment.faults import parse_fault
 from raytrain_guard.experiment.runner import (
     ExperimentSetup,
     detection_lateness,

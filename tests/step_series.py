@@ -63,7 +63,10 @@ def series(noise: Noise, *, seed: int, num_ranks: int = 2, num_steps: int = 600,
         for r in range(num_ranks):
             level[r] = min(hi, max(lo, level[r] + rng.gauss(0.0, noise.drift_ms)))
             speed[r] = rho * speed[r] + (1 - rho * rho) ** 0.5 * rng.gauss(0.0, noise.wander)
-            j = (lambda: rng.lognormvariate(0.0, noise.jitter))
+
+            def j() -> float:
+                return rng.lognormvariate(0.0, noise.jitter)
+
             data, compute, link = 0.05 * level[r] * j(), \
                 0.8 * level[r] * j() * math.exp(speed[r]), 0.1 * level[r] * j()
             if fault is not None and fault.rank == r and step >= fault.start:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from raytrain_guard import cli
-from raytrain_guard.experiment import demo
-from raytrain_guard.experiment import analysis, runner
+from raytrain_guard.experiment import analysis, demo, runner
 from raytrain_guard.experiment.faults import parse_fault
 
 

@@ -80,9 +80,8 @@ def head():
 
 def _record_everything():
     """Every metric the dashboard queries, recorded by the package's own code on the head."""
-    from raytrain_guard.cluster.monitor.probes import ScriptedProbeFactory
-
     from raytrain_guard.cluster.actors import start_coordinator, start_monitors
+    from raytrain_guard.cluster.monitor.probes import ScriptedProbeFactory
     from raytrain_guard.config import GuardConfig
     from raytrain_guard.core.node_samples import GpuSample
 

@@ -33,10 +33,11 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
+from stop_when_training import StopWhenTraining
+
 from examples import hf_trainer
 from examples.hf_trainer import build_trainer, train
 from raytrain_guard.config import GuardConfig
-from stop_when_training import StopWhenTraining
 from raytrain_guard.integrations.trainer_loader import fit_settings
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]

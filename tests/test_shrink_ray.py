@@ -20,9 +20,9 @@ import json
 from pathlib import Path
 
 import pytest
+import scripted_source  # noqa: E402
 
 import examples.toy as toy  # noqa: E402
-import scripted_source  # noqa: E402
 from raytrain_guard.core.decisions import Action, Cause, Decision  # noqa: E402
 from raytrain_guard.runtime.loop.train_loop import train_loop_per_worker  # noqa: E402
 

@@ -26,8 +26,8 @@ def _arm(rank: int, with_timer: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from raytrain_guard.experiment.rehearsal import FaultInjector
-    from raytrain_guard.runtime.guard.step_guard import StepGuard
     from raytrain_guard.runtime.guard.comm_timers import attach_comm_timer
+    from raytrain_guard.runtime.guard.step_guard import StepGuard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])

@@ -232,7 +232,9 @@ class Measured:
         return self.step_s_after / self.step_s_before - 1.0 if self.step_s_before > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        r = (lambda x: None if x is None else round(x, 6))
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 6)
+
         return {"memory_frac_before": r(self.memory_frac_before),
                 "memory_frac_after": r(self.memory_frac_after),
                 "delta_frac": r(self.delta_frac), "step_s_before": r(self.step_s_before),

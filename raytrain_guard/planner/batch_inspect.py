@@ -14,8 +14,9 @@ numpy arrays and tensors keep their data in one buffer whose pages are never wri
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from raytrain_guard.config import GuardConfig
 from raytrain_guard.errors import InputError, PlanInputError
