@@ -25,9 +25,9 @@ worker group, the guard's actors, the allreduce curve ``prepare_model`` measures
 ``--warmup`` steps are left out): steps per second from the end of the warm-up step to the end
 of the last step (Ray Data: the batches of every epoch after the first, each epoch from its
 first batch on, so the streaming split's start is left out), the mean of the ranks. Printed: each
-pair's arm/off ratio per example, and per example the median ratio with its range; the box's
-load average at each run's start, and per example the median ratio with its range and its 95 %
-bootstrap interval (:func:`raytrain_guard.experiment.stats.bootstrap_median`, over the pairs).
+pair's arm/off ratio per example, the box's load average at each run's start, and per example
+the median ratio with its range and its 95 % bootstrap interval over the pairs
+(:func:`raytrain_guard.experiment.stats.bootstrap_median`).
 The goal is ``on`` at most 2 % slower (ratio >= 0.98); ``--device-ms MS`` gives all three
 examples GPU-like steps of MS (100: the GPU step the guard's host budget is set against,
 docs/benchmarks.md, "Guard overhead").
