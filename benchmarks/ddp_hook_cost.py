@@ -4,8 +4,9 @@ Python ``allreduce_hook`` and the guard's timed hook (:func:`attach_comm_timer`)
     python benchmarks/ddp_hook_cost.py [--steps 300] [--rounds 8]
 
 Two gloo ranks (processes on this machine, one torch thread each) train the Lightning example's
-model (32 -> 256 -> 256 -> 1, one bucket) with each variant, in rounds of ``--steps`` steps,
-the variants' order reversed every other round so that a drift of the box falls on all of them.
+network (``Regressor(256).net``: 32 -> 256 -> 256 -> 1, one bucket) with each variant, in rounds
+of ``--steps`` steps, the variants' order reversed every other round so that a drift of the box
+falls on all of them.
 Printed: rank 0's milliseconds a step per round, their median per variant and its difference
 from the built-in hook's (docs/benchmarks.md, "Integrations: the guard's overhead").
 """
@@ -29,16 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 VARIANTS = ("builtin", "python", "timed")
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 1))
-
-
 def _rank(rank: int, port: int, steps: int, rounds: int, out: mp.Queue) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+    from examples.lightning_trainer import Regressor
     from raytrain_guard.runtime.guard.comm_timers import attach_comm_timer
     from raytrain_guard.runtime.guard.timing import StepTimer
 
@@ -47,7 +42,7 @@ def _rank(rank: int, port: int, steps: int, rounds: int, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     models = {}
     for variant in VARIANTS:
-        model = DistributedDataParallel(_model())
+        model = DistributedDataParallel(Regressor(256).net)    # the same weights each time
         if variant == "python":
             model.register_comm_hook(None, allreduce_hook)
         elif variant == "timed":
